@@ -1,0 +1,313 @@
+"""Trainer configuration contract: the one home of `trainer.json` (docs/contracts.md §1, §2).
+
+Role: the pydantic model the operator renders into the ConfigMap `<job>-config` (key
+`trainer.json`) and the trainer reads back at start-up, plus the names of the pod environment
+variables the operator sets. Callers: `rljob_operator.builders` (renders it, and sets the env vars
+named here), `rljob_trainer.__main__`/`driver` (reads it through `load_config`).
+
+Imports no torch, ray or kubernetes: the operator must be able to import this module alone.
+
+Field names are snake_case in Python; JSON accepts both snake_case and camelCase (every model has
+a camelCase alias and `populate_by_name`). Render with `dump_config(cfg)` (camelCase, like the rest
+of the Kubernetes objects); `load_config` reads either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+# ---- pod environment (docs/contracts.md §2) ------------------------------------------------------
+ENV_CONFIG_PATH = "RLJOB_CONFIG_PATH"
+ENV_ROLE = "RLJOB_ROLE"
+ENV_POD_INDEX = "RLJOB_POD_INDEX"
+ENV_JOB_NAME = "RLJOB_JOB_NAME"
+ENV_NAMESPACE = "RLJOB_NAMESPACE"
+ENV_RAY_HEAD = "RLJOB_RAY_HEAD"
+ENV_RAY_PORT = "RLJOB_RAY_PORT"
+ENV_NUM_TRAINER_PODS = "RLJOB_NUM_TRAINER_PODS"
+ENV_TELEMETRY_CONFIGMAP = "RLJOB_TELEMETRY_CONFIGMAP"
+
+ALL_ENV_VARS: tuple[str, ...] = (
+    ENV_CONFIG_PATH,
+    ENV_ROLE,
+    ENV_POD_INDEX,
+    ENV_JOB_NAME,
+    ENV_NAMESPACE,
+    ENV_RAY_HEAD,
+    ENV_RAY_PORT,
+    ENV_NUM_TRAINER_PODS,
+    ENV_TELEMETRY_CONFIGMAP,
+)
+
+ROLE_TRAINER = "trainer"
+ROLE_ROLLOUT = "rollout"
+ROLES: tuple[str, ...] = (ROLE_TRAINER, ROLE_ROLLOUT)
+
+DEFAULT_CONFIG_PATH = "/etc/rljob/trainer.json"
+CONFIGMAP_KEY = "trainer.json"
+DEFAULT_RAY_PORT = 6379
+
+# Ray custom resource that marks rollout pod j; the driver places dedicated engine j on it.
+ROLLOUT_RESOURCE_PREFIX = "rljob_rollout_"
+
+
+def rollout_resource_name(pod_index: int) -> str:
+    """Ray custom resource name advertised by rollout pod `pod_index` (`rljob_rollout_<j>`)."""
+    return f"{ROLLOUT_RESOURCE_PREFIX}{pod_index}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
+    )
+
+
+# ---- model ---------------------------------------------------------------------------------------
+class LoraSettings(_Model):
+    rank: int = Field(16, ge=1, description="LoRA rank r.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout probability.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelSettings(_Model):
+    name: str = Field(..., description="Human-readable model name (e.g. Qwen/Qwen3-4B).")
+    source: Literal["pvc", "hub", "tiny"] = Field(
+        ...,
+        description="Where weights come from: a path on a mounted volume (pvc), the Hugging Face hub "
+        "(hub), or random weights built from `hf_config` (tiny, tests).",
+    )
+    path: str | None = Field(None, description="Directory with config + weights + tokenizer (source=pvc).")
+    hub_id: str | None = Field(None, description="Hub repository id (source=hub).")
+    hub_token_env: str | None = Field(
+        "HF_TOKEN", description="Name of the env var holding the hub token (source=hub); never the token."
+    )
+    hf_config: dict[str, Any] | None = Field(
+        None,
+        description="The model's Hugging Face config.json as a dict. Required for source=tiny; for other "
+        "sources the copy the operator's estimator used.",
+    )
+    tokenizer: Literal["auto", "builtin-char"] = Field(
+        "auto", description="'auto' loads the tokenizer next to the weights; 'builtin-char' builds the "
+        "package's character-level tokenizer (tiny models).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Parameter dtype.")
+    finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> ModelSettings:
+        if self.source == "pvc" and not self.path:
+            raise ValueError("model.path is required when model.source is 'pvc'")
+        if self.source == "hub" and not self.hub_id:
+            raise ValueError("model.hubId is required when model.source is 'hub'")
+        if self.source == "tiny" and not self.hf_config:
+            raise ValueError("model.hfConfig is required when model.source is 'tiny'")
+        return self
+
+
+class LengthSettings(_Model):
+    max_prompt_tokens: int = Field(512, ge=1, description="Prompts are left-truncated to this many tokens.")
+    max_response_tokens: int = Field(1024, ge=1, description="Generation stops after this many tokens.")
+
+    @property
+    def max_model_len_tokens(self) -> int:
+        return self.max_prompt_tokens + self.max_response_tokens
+
+
+# ---- GRPO ----------------------------------------------------------------------------------------
+class GRPOSettings(_Model):
+    group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
+    max_steps: int = Field(100, ge=1, description="Training steps (weight syncs) in the run.")
+    mini_batches_per_step: int = Field(
+        1, ge=1, description="Optimizer updates per step; >1 makes updates off-policy so clipping acts."
+    )
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adv_estimator: str = Field("grpo", description="Advantage estimator name (rljob_trainer.algos registry).")
+    policy_loss: str = Field("clipped", description="Policy loss name (rljob_trainer.algos registry).")
+    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = Field(
+        "seq-mean-token-mean",
+        description="seq-mean-token-mean: mean over each sequence's tokens, then mean over sequences "
+        "of the global batch; token-mean: mean over all tokens of the global batch.",
+    )
+    norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group std.")
+    clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="Ratio clip above: 1 + clip_high (DAPO clip-higher).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference penalty; 0 disables it.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient L2 norm.")
+    seed: int = Field(0, description="Seeds data order, sampling and initialisation.")
+
+
+class BatchingSettings(_Model):
+    packed: bool = Field(True, description="Pack samples into rows (True) or pad each sample (False).")
+    dynamic: bool = Field(
+        True, description="Dynamic micro-batches bounded by max_tokens_per_micro_batch, else fixed size."
+    )
+    micro_batch_size: int | None = Field(4, ge=1, description="Samples per micro-batch (fixed mode).")
+    max_tokens_per_micro_batch: int | None = Field(
+        8192, ge=1, description="Token budget of one micro-batch (dynamic mode)."
+    )
+    dp_balance: bool = Field(True, description="Reorder each step's batch so DP ranks get similar work.")
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> BatchingSettings:
+        if self.dynamic and self.max_tokens_per_micro_batch is None:
+            raise ValueError("batching.maxTokensPerMicroBatch is required when batching.dynamic is true")
+        if not self.dynamic and self.micro_batch_size is None:
+            raise ValueError("batching.microBatchSize is required when batching.dynamic is false")
+        return self
+
+
+# ---- rollout -------------------------------------------------------------------------------------
+class RolloutSettings(_Model):
+    kind: Literal["vllm", "transformers"] = Field("vllm", description="Engine implementation.")
+    max_num_seqs: int = Field(256, ge=1, description="vLLM max_num_seqs (estimator's plan).")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="vLLM max_num_batched_tokens (one prefill).")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of accelerator memory.")
+    tensor_parallel: int = Field(1, ge=1)
+    shared_engines: int = Field(
+        0, ge=0, description="Engines colocated with training ranks, asleep during training (sleep mode)."
+    )
+    dedicated_engines: int = Field(1, ge=0, description="Engines on rollout pods at start.")
+    max_dedicated_engines: int = Field(8, ge=0, description="Upper bound the driver accepts from status.")
+    enable_sleep_mode: bool = Field(True, description="vLLM sleep mode for shared engines.")
+    engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one engine actor.")
+    engine_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (0 on CPU).")
+
+    @model_validator(mode="after")
+    def _some_engine(self) -> RolloutSettings:
+        if self.shared_engines + self.dedicated_engines < 1:
+            raise ValueError("rollout needs at least one engine: sharedEngines + dedicatedEngines >= 1")
+        return self
+
+
+# ---- data and rewards ----------------------------------------------------------------------------
+class DataSettings(_Model):
+    builtin: str | None = Field("toy-arithmetic", description="Name of a dataset shipped with the package.")
+    path: str | None = Field(None, description="JSONL file with one object per line (overrides builtin).")
+    prompt_field: str = Field("prompt")
+    answer_field: str = Field("answer")
+    shuffle: bool = Field(True, description="Reshuffle every epoch with a seed derived from grpo.seed.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSettings:
+        if not self.builtin and not self.path:
+            raise ValueError("data needs data.builtin or data.path")
+        return self
+
+
+class RewardFunctionSettings(_Model):
+    name: Literal["mathAccuracy", "format", "module"] = Field(...)
+    weight: float = Field(1.0)
+    module: str | None = Field(None, description="Import path of a user module (name=module).")
+    function: str | None = Field(
+        None, description="Function in `module`: f(prompt: str, response: str, answer: str) -> float."
+    )
+
+    @model_validator(mode="after")
+    def _module_fields(self) -> RewardFunctionSettings:
+        if self.name == "module" and not (self.module and self.function):
+            raise ValueError("rewards[].module and rewards[].function are required when name is 'module'")
+        return self
+
+
+def _default_rewards() -> list[RewardFunctionSettings]:
+    return [RewardFunctionSettings(name="mathAccuracy", weight=1.0)]
+
+
+# ---- checkpoint, telemetry, distributed ----------------------------------------------------------
+class CheckpointSettings(_Model):
+    dir: str | None = Field(None, description="Checkpoint directory (a mounted volume); None disables.")
+    interval_steps: int = Field(50, ge=1, description="Save every this many steps (and at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+
+
+class TelemetrySettings(_Model):
+    enabled: bool = Field(True, description="Write SyncReports to the telemetry ConfigMap.")
+    configmap_name: str | None = Field(None, description="Default: $RLJOB_TELEMETRY_CONFIGMAP.")
+    namespace: str | None = Field(None, description="Default: $RLJOB_NAMESPACE.")
+    job_name: str | None = Field(None, description="Default: $RLJOB_JOB_NAME.")
+    prometheus_port: int | None = Field(9400, ge=0, le=65535, description="None or 0 disables the endpoint.")
+    read_targets: bool = Field(True, description="Read desired engine counts from the RLJob status.")
+
+
+class DistributedSettings(_Model):
+    num_trainer_ranks: int = Field(1, ge=1, description="torch.distributed world size of the trainer.")
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = Field(
+        "auto", description="auto: nccl on CUDA, hccl on Ascend NPU, gloo on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto")
+    launcher: Literal["ray", "local"] = Field(
+        "ray", description="ray: ranks and engines are Ray actors; local: one process, threads (tests)."
+    )
+    rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one training rank actor.")
+    rank_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per training rank actor.")
+    torch_threads_per_rank: int | None = Field(None, ge=1, description="torch.set_num_threads per rank.")
+
+
+class TrainerConfig(_Model):
+    """Everything one GRPO job needs; rendered by the operator, read by `python -m rljob_trainer`."""
+
+    model: ModelSettings
+    lengths: LengthSettings = Field(default_factory=LengthSettings)
+    grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    rewards: list[RewardFunctionSettings] = Field(default_factory=_default_rewards, min_length=1)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+    log_interval_steps: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainerConfig:
+        samples = self.grpo.group_size * self.grpo.prompts_per_step
+        if samples % self.grpo.mini_batches_per_step:
+            raise ValueError(
+                f"grpo.groupSize*promptsPerStep ({samples}) must be divisible by "
+                f"grpo.miniBatchesPerStep ({self.grpo.mini_batches_per_step})"
+            )
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.grpo.group_size * self.grpo.prompts_per_step
+
+
+def parse_config(data: dict[str, Any]) -> TrainerConfig:
+    """Validate a decoded `trainer.json` (snake_case or camelCase keys)."""
+    return TrainerConfig.model_validate(data)
+
+
+def dump_config(config: TrainerConfig) -> str:
+    """Render `trainer.json` (camelCase JSON) exactly as the operator puts it in the ConfigMap."""
+    return config.model_dump_json(by_alias=True, indent=2)
+
+
+def load_config(path: str | Path) -> TrainerConfig:
+    """Read `trainer.json` (JSON; `.yaml`/`.yml` files are read as YAML)."""
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the trainer config must be a JSON/YAML object, got {type(data).__name__}")
+    return parse_config(data)

@@ -1,0 +1,83 @@
+"""Sync-point telemetry: the `SyncReport` contract (docs/contracts.md §3) and its bounded history.
+
+Role: the model the GRPO driver writes to ConfigMap `<job>-telemetry` (key `reports.json`) at every
+weight sync, and that the operator's `policy.decide()` reads. Pure: no torch, no clock, no API
+calls; the driver (`rljob_trainer.driver`) and the operator's telemetry timer are the callers.
+The Kubernetes and Prometheus side effects live in `rljob_trainer.telemetry_sink`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REPORTS_KEY = "reports.json"
+MAX_REPORTS = 32
+
+
+class SyncReport(BaseModel):
+    """What happened over the interval that ended at one weight-sync point.
+
+    Mean busy-ness of the rollout engines over the interval is
+    `inflight_request_seconds / engine_seconds` (requests per awake engine).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, frozen=True, extra="ignore")
+
+    step: int = Field(..., ge=0, description="Training step that ended at this sync.")
+    time: float = Field(..., description="Unix time of the sync, s.")
+    interval_s: float = Field(..., alias="intervalS", ge=0, description="Since the previous sync, s.")
+    trainer_wait_s: float = Field(
+        ..., alias="trainerWaitS", ge=0, description="Time the trainer waited for rollouts, s."
+    )
+    generation_s: float = Field(..., alias="generationS", ge=0, description="Wall time generating, s.")
+    training_s: float = Field(..., alias="trainingS", ge=0, description="Wall time training, s.")
+    inflight_request_seconds: float = Field(
+        ...,
+        alias="inflightRequestSeconds",
+        ge=0,
+        description="Σ over engines of ∫ requests in flight (queued, dispatching, generating) dt.",
+    )
+    engine_seconds: float = Field(
+        ..., alias="engineSeconds", ge=0, description="Σ over awake engines of awake time, s."
+    )
+    snapshot_inflight: int = Field(
+        ..., alias="snapshotInflight", ge=0, description="Requests in flight at the sync instant."
+    )
+    shared_engines_awake: int = Field(..., alias="sharedEnginesAwake", ge=0)
+    dedicated_engines: int = Field(..., alias="dedicatedEngines", ge=0)
+    mean_reward: float = Field(..., alias="meanReward")
+    loss: float = Field(...)
+    tokens_per_s: float = Field(..., alias="tokensPerS", ge=0, description="Trained tokens per second.")
+    response_len_mean: float = Field(..., alias="responseLenMean", ge=0, description="Tokens.")
+
+    @property
+    def mean_busy(self) -> float:
+        """Mean requests in flight per awake engine over the interval (0 when no engine was awake)."""
+        return self.inflight_request_seconds / self.engine_seconds if self.engine_seconds > 0 else 0.0
+
+
+def append_report(
+    history: Sequence[SyncReport], report: SyncReport, *, max_reports: int = MAX_REPORTS
+) -> list[SyncReport]:
+    """Return a new list: `history` + `report`, keeping the `max_reports` most recent, oldest first."""
+    if max_reports < 1:
+        raise ValueError(f"max_reports must be >= 1, got {max_reports}")
+    return [*history, report][-max_reports:]
+
+
+def dump_reports(reports: Sequence[SyncReport]) -> str:
+    """The `reports.json` value: a JSON list of camelCase objects, oldest first."""
+    return json.dumps([r.model_dump(mode="json", by_alias=True) for r in reports])
+
+
+def parse_reports(text: str | None) -> list[SyncReport]:
+    """Parse a `reports.json` value; a missing or empty value is an empty history."""
+    if not text:
+        return []
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError(f"{REPORTS_KEY} must hold a JSON list, got {type(data).__name__}")
+    return [SyncReport.model_validate(item) for item in data]
