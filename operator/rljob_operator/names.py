@@ -1,0 +1,145 @@
+"""Object names, label keys and lock keys: the one place that spells them.
+
+Role: every name the operator gives a Kubernetes object and every label it relies on is built here,
+so builders, handlers, tests and the trainer contract (docs/contracts.md §2, §3) agree. Pure: no
+clock, no env, no API. Callers: `rljob_operator.builders`, `rljob_operator.handlers`,
+`rljob_operator.status`, tests.
+
+Name rules: pod hostnames and the headless Service name must be RFC 1035 labels (at most 63
+characters), because `<job>-trainer-0.<job>.<ns>.svc` is how the Ray workers find the head.
+`validate_job_name` checks that before anything is created.
+"""
+
+from __future__ import annotations
+
+import re
+
+# ---- label and annotation keys (prefix rljob.io, like the API group) ----------------------------
+LABEL_JOB = "rljob.io/job"
+LABEL_ROLE = "rljob.io/role"
+LABEL_INDEX = "rljob.io/index"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rljob-operator"
+
+# The run attempt a pod belongs to (status.restarts); pods of an older attempt are stale and deleted.
+ANNOTATION_ATTEMPT = "rljob.io/attempt"
+# Hash of the desired pod (spec + plan); a pod whose hash differs is out of date and replaced.
+ANNOTATION_TEMPLATE_HASH = "rljob.io/template-hash"
+
+ROLE_TRAINER = "trainer"
+ROLE_ROLLOUT = "rollout"
+ROLE_CONFIG = "config"
+ROLE_TELEMETRY = "telemetry"
+
+# Mount point of the `<job>-config` ConfigMap (docs/contracts.md §2: RLJOB_CONFIG_PATH lives here).
+CONFIG_MOUNT_DIR = "/etc/rljob"
+CHECKPOINT_MOUNT_DIR = "/checkpoints"
+
+# Persistence keys kopf writes on RLJobs (progress, diff base, finalizer) live under rljob.io.
+KOPF_PREFIX = "rljob.io"
+FINALIZER = "rljob.io/finalizer"
+
+# The longest pod hostname suffix we add: "-trainer-" / "-rollout-" plus a 3-digit index.
+_MAX_SUFFIX = len("-trainer-") + 3
+MAX_JOB_NAME_LENGTH = 63 - _MAX_SUFFIX
+_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def job_key(namespace: str, name: str) -> str:
+    """The key of one job for locks, caches and metrics: `<namespace>/<name>` (the only spelling)."""
+    return f"{namespace}/{name}"
+
+
+def validate_job_name(name: str) -> str | None:
+    """Return why `name` cannot be an RLJob name, or None when it can.
+
+    The name becomes the headless Service (an RFC 1035 label) and the prefix of pod hostnames
+    (`<name>-trainer-<i>`, also a label of at most 63 characters).
+    """
+    if len(name) > MAX_JOB_NAME_LENGTH:
+        return (
+            f"metadata.name {name!r} is {len(name)} characters; at most {MAX_JOB_NAME_LENGTH} are allowed "
+            f"so that pod hostnames like '{name}-trainer-0' stay within 63 characters: choose a shorter name"
+        )
+    if not _RFC1035.match(name):
+        return (
+            f"metadata.name {name!r} must be an RFC 1035 label (lowercase letters, digits and '-', "
+            "starting with a letter) because it names the job's headless Service: rename the job"
+        )
+    return None
+
+
+def trainer_pod_name(job: str, index: int) -> str:
+    """`<job>-trainer-<i>`; pod 0 hosts the Ray head and the GRPO driver."""
+    return f"{job}-trainer-{index}"
+
+
+def rollout_pod_name(job: str, index: int) -> str:
+    """`<job>-rollout-<j>`: the pod hosting dedicated rollout engine j."""
+    return f"{job}-rollout-{index}"
+
+
+def pod_name(job: str, role: str, index: int) -> str:
+    """The pod name for `role` (trainer or rollout) and `index`."""
+    if role == ROLE_TRAINER:
+        return trainer_pod_name(job, index)
+    if role == ROLE_ROLLOUT:
+        return rollout_pod_name(job, index)
+    raise ValueError(f"pod role must be {ROLE_TRAINER!r} or {ROLE_ROLLOUT!r}, got {role!r}")
+
+
+def service_name(job: str) -> str:
+    """The headless Service (and pod subdomain) of a job: the job's own name."""
+    return job
+
+
+def config_map_name(job: str) -> str:
+    """`<job>-config`, key `trainer.json` (docs/contracts.md §1)."""
+    return f"{job}-config"
+
+
+def telemetry_config_map_name(job: str) -> str:
+    """`<job>-telemetry`, key `reports.json` (docs/contracts.md §3)."""
+    return f"{job}-telemetry"
+
+
+def service_account_name(job: str) -> str:
+    """The job's ServiceAccount; its Role and RoleBinding share the name."""
+    return job
+
+
+def role_name(job: str) -> str:
+    return job
+
+
+def role_binding_name(job: str) -> str:
+    return job
+
+
+def ray_head_host(job: str, namespace: str) -> str:
+    """DNS name of trainer pod 0 through the headless Service: `<job>-trainer-0.<job>.<ns>.svc`."""
+    return f"{trainer_pod_name(job, 0)}.{service_name(job)}.{namespace}.svc"
+
+
+def selector_labels(job: str) -> dict[str, str]:
+    """Labels that select every object of one job (`kubectl get pods -l rljob.io/job=<job>`)."""
+    return {LABEL_JOB: job}
+
+
+def object_labels(job: str, role: str) -> dict[str, str]:
+    """Labels on a non-pod object of a job (ConfigMaps, Service, RBAC)."""
+    return {LABEL_JOB: job, LABEL_ROLE: role, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def pod_labels(job: str, role: str, index: int) -> dict[str, str]:
+    """Labels on a pod; the operator relies on these, so user labels never override them."""
+    return {**object_labels(job, role), LABEL_INDEX: str(index)}
+
+
+def parse_pod_name(job: str, name: str) -> tuple[str, int] | None:
+    """Inverse of `pod_name`: `(role, index)` for a pod of `job`, or None when `name` is not one."""
+    for role in (ROLE_TRAINER, ROLE_ROLLOUT):
+        prefix = f"{job}-{role}-"
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return role, int(name[len(prefix):])
+    return None
