@@ -1,0 +1,225 @@
+"""Unit tests for rljob_trainer.dp_balance: candidates, refinement, lower bound, plan and apply."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rljob_trainer import dp_balance, microbatch
+from rljob_trainer.dp_balance import CostModel, MicroBatchSpec, plan_dp_balance
+
+COST = CostModel(per_token=100.0, per_token_squared=1.0, per_micro_batch=500.0)
+SPECS = [
+    MicroBatchSpec(packed=True, dynamic=False, micro_batch_size=2),
+    MicroBatchSpec(packed=False, dynamic=False, micro_batch_size=2),
+    MicroBatchSpec(packed=True, dynamic=True, max_tokens_per_micro_batch=600),
+    MicroBatchSpec(packed=False, dynamic=True, max_tokens_per_micro_batch=600),
+]
+spec_strategy = st.sampled_from(SPECS)
+
+
+def slowest(lengths: list[int], perm: tuple[int, ...] | list[int], dp: int, spec: MicroBatchSpec) -> float:
+    return max(dp_balance.simulate_rank_costs(lengths, perm, dp, spec, COST))
+
+
+@st.composite
+def divisible_batches(draw: st.DrawFn) -> tuple[list[int], int]:
+    dp = draw(st.sampled_from([2, 3, 4]))
+    m = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, 300), min_size=dp * m, max_size=dp * m))
+    return lengths, dp
+
+
+@settings(max_examples=120, deadline=None)
+@given(divisible_batches(), spec_strategy)
+def test_plan_is_never_worse_than_original_or_kk(batch: tuple[list[int], int], spec: MicroBatchSpec) -> None:
+    lengths, dp = batch
+    plan = plan_dp_balance(lengths, dp, micro_batch=spec, cost=COST)
+    n = len(lengths)
+    assert sorted(plan.permutation) == list(range(n))
+    assert plan.rank_costs == tuple(dp_balance.simulate_rank_costs(lengths, plan.permutation, dp, spec, COST))
+    kk = dp_balance.karmarkar_karp_equal_size([COST.sample_cost(x) for x in lengths], dp)
+    kk_perm = [i for g in kk for i in g]
+    after = max(plan.rank_costs)
+    assert after <= max(plan.original_rank_costs)
+    assert after <= slowest(lengths, kk_perm, dp, spec) * (1 + 1e-9)
+    assert after >= dp_balance.lower_bound(lengths, dp, micro_batch=spec, cost=COST) * (1 - 1e-9)
+    if plan.strategy == "original":
+        assert plan.permutation == tuple(range(n))
+    else:
+        assert after < max(plan.original_rank_costs)
+    # Per-rank sample counts are unchanged by construction: m per rank.
+    assert all(len(plan.rank_indices(r)) == n // dp for r in range(dp))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.sampled_from([2, 3, 4]), spec_strategy)
+def test_not_divisible_keeps_identity(lengths: list[int], dp: int, spec: MicroBatchSpec) -> None:
+    if len(lengths) % dp == 0:
+        lengths = [*lengths, 7]
+    plan = plan_dp_balance(lengths, dp, micro_batch=spec, cost=COST)
+    assert plan.permutation == tuple(range(len(lengths)))
+    assert plan.strategy == "original"
+    assert plan.metrics["dp_balance/divisible"] == 0.0
+    assert plan.metrics["dp_balance/applied"] == 0.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(divisible_batches(), spec_strategy, st.randoms(use_true_random=False))
+def test_refinement_never_makes_slowest_slower(
+    batch: tuple[list[int], int], spec: MicroBatchSpec, rng: random.Random
+) -> None:
+    lengths, dp = batch
+    m = len(lengths) // dp
+    perm = list(range(len(lengths)))
+    rng.shuffle(perm)
+    groups = [perm[r * m : (r + 1) * m] for r in range(dp)]
+    k = microbatch.max_micro_batch_count([[lengths[i] for i in g] for g in groups], spec)
+
+    def evaluate(group: list[int]) -> float:
+        return dp_balance.rank_cost([lengths[i] for i in group], spec, COST, k)
+
+    before = max(evaluate(g) for g in groups)
+    weights = [COST.sample_cost(x) for x in lengths]
+    for refined in (
+        dp_balance.refine_by_swaps(groups, evaluate, weights),
+        dp_balance.refine_by_swaps_reference(groups, evaluate, max_swaps=50),
+    ):
+        assert sorted(len(g) for g in refined) == [m] * dp
+        assert sorted(i for g in refined for i in g) == sorted(perm)
+        assert max(evaluate(g) for g in refined) <= before
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=2, max_size=24).filter(lambda x: len(x) % 2 == 0))
+def test_fast_refinement_matches_reference_on_packed_two_ranks(lengths: list[int]) -> None:
+    # Packed fixed batching has additive costs, where the bisect-guided candidates include the exact best
+    # swap: the fast refinement must stop only at a swap-local optimum, like the exhaustive reference.
+    spec = SPECS[0]
+    m = len(lengths) // 2
+    groups = [list(range(m)), list(range(m, 2 * m))]
+    k = microbatch.max_micro_batch_count([[lengths[i] for i in g] for g in groups], spec)
+
+    def evaluate(group: list[int]) -> float:
+        return dp_balance.rank_cost([lengths[i] for i in group], spec, COST, k)
+
+    weights = [COST.sample_cost(x) for x in lengths]
+    fast = max(evaluate(g) for g in dp_balance.refine_by_swaps(groups, evaluate, weights))
+    slow = max(evaluate(g) for g in dp_balance.refine_by_swaps_reference(groups, evaluate))
+    start = max(evaluate(g) for g in groups)
+    assert fast <= start and slow <= start
+    # Both stop at a swap-local optimum: no single swap makes the slowest rank strictly lighter.
+    for a, b in (
+        dp_balance.refine_by_swaps(groups, evaluate, weights),
+        dp_balance.refine_by_swaps_reference(groups, evaluate),
+    ):
+        top = max(evaluate(a), evaluate(b))
+        for x, y in itertools.product(range(m), range(m)):
+            na = [*a[:x], b[y], *a[x + 1 :]]
+            nb = [*b[:y], a[x], *b[y + 1 :]]
+            assert max(evaluate(na), evaluate(nb)) >= top * (1 - 1e-9)
+
+
+def _optimal_slowest(lengths: list[int], dp: int, spec: MicroBatchSpec) -> float:
+    # Reference optimum over all equal-size assignments (small n only).
+    n, m = len(lengths), len(lengths) // dp
+    best = float("inf")
+    for perm in itertools.permutations(range(n)):
+        if any(list(perm[r * m : (r + 1) * m]) != sorted(perm[r * m : (r + 1) * m]) for r in range(dp)):
+            continue
+        best = min(best, slowest(lengths, perm, dp, spec))
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=6, max_size=6), spec_strategy)
+def test_lower_bound_is_below_the_exhaustive_optimum(lengths: list[int], spec: MicroBatchSpec) -> None:
+    for dp in (2, 3):
+        optimum = _optimal_slowest(lengths, dp, spec)
+        bound = dp_balance.lower_bound(lengths, dp, micro_batch=spec, cost=COST)
+        assert 0 < bound <= optimum * (1 + 1e-9)
+        plan = plan_dp_balance(lengths, dp, micro_batch=spec, cost=COST)
+        assert max(plan.rank_costs) >= optimum * (1 - 1e-9)
+
+
+def test_refinement_beats_kk_on_a_known_batch() -> None:
+    # KK and snake both leave a gap on this skewed batch; the swap refinement closes it.
+    rng = random.Random(3)
+    lengths = [rng.choice([1200, 1200, rng.randint(150, 500)]) for _ in range(64)]
+    spec = SPECS[0]
+    plan = plan_dp_balance(lengths, 4, micro_batch=spec, cost=COST)
+    no_refine = plan_dp_balance(lengths, 4, micro_batch=spec, cost=COST, refine=False)
+    assert max(plan.rank_costs) <= max(no_refine.rank_costs)
+    bound = dp_balance.lower_bound(lengths, 4, micro_batch=spec, cost=COST)
+    assert max(plan.rank_costs) / bound < 1.005
+
+
+def test_cost_model_from_hidden_size_matches_derivation() -> None:
+    cost = CostModel.from_hidden_size(1024)
+    assert cost.per_token == 12 * 1024
+    assert cost.per_token_squared == 1.0
+    gated = CostModel.from_hf_config({"text_config": {"hidden_size": 2560, "intermediate_size": 9728}})
+    assert gated.per_token == 4 * 2560 + 3 * 9728
+
+
+def test_micro_batch_cost_padded_vs_packed() -> None:
+    assert COST.micro_batch_cost([10, 20], packed=True) == 500 + 100 * 30 + 100 + 400
+    assert COST.micro_batch_cost([10, 20], packed=False) == 500 + 2 * (100 * 20 + 400)
+
+
+def test_snake_order_deals_longest_first() -> None:
+    groups = dp_balance.snake_order([10, 9, 8, 7, 6, 5], 2)
+    assert groups == [[0, 3, 4], [1, 2, 5]]
+
+
+def test_metrics_and_clock() -> None:
+    ticks = iter([1.0, 1.25])
+    lengths = [1000, 10, 1000, 10, 1000, 10, 1000, 10]
+    plan = plan_dp_balance(
+        [1000, 1000, 1000, 1000, 10, 10, 10, 10],
+        2,
+        micro_batch=SPECS[0],
+        cost=COST,
+        clock=lambda: next(ticks),
+    )
+    assert plan.applied
+    assert plan.metrics["dp_balance/plan_ms"] == pytest.approx(250.0)
+    assert plan.metrics["dp_balance/applied"] == 1.0
+    assert plan.metrics["dp_balance/strategy_name"] == plan.strategy
+    assert plan.metrics["dp_balance/strategy"] == dp_balance.STRATEGY_CODES[plan.strategy]
+    assert plan.metrics["dp_balance/imbalance_after"] == pytest.approx(1.0)
+    assert plan.metrics["dp_balance/slowest_cost_before"] > plan.metrics["dp_balance/slowest_cost_after"]
+    assert all(key.startswith("dp_balance/") for key in plan.metrics)
+    balanced = plan_dp_balance(lengths, 2, micro_batch=SPECS[0], cost=COST)
+    assert max(balanced.rank_costs) <= max(balanced.original_rank_costs)
+
+
+def test_apply_reorders_lists_numpy_torch_and_fields_consistently() -> None:
+    torch = pytest.importorskip("torch")
+    lengths = [900, 900, 900, 900, 5, 5, 5, 5]
+    plan = plan_dp_balance(lengths, 2, micro_batch=SPECS[0], cost=COST)
+    assert plan.applied
+    perm = list(plan.permutation)
+    ids = [[i] * lengths[i] for i in range(8)]
+    mm = [[[i % 2] * lengths[i]] for i in range(8)]  # nested [1, L], as rollouts store it
+    fields = {
+        "input_ids": ids,
+        "mm_token_type_ids": mm,
+        "advantages": np.arange(8.0),
+        "old_log_probs": torch.arange(8.0).unsqueeze(1).repeat(1, 3),
+        "rewards": tuple(range(8)),
+    }
+    out = plan.apply_fields(fields)
+    assert out["input_ids"] == [ids[i] for i in perm]
+    assert out["mm_token_type_ids"] == [mm[i] for i in perm]
+    assert all(len(a) == len(b[0]) for a, b in zip(out["input_ids"], out["mm_token_type_ids"], strict=True))
+    assert out["advantages"].tolist() == [float(i) for i in perm]
+    assert out["old_log_probs"][:, 0].tolist() == [float(i) for i in perm]
+    assert out["rewards"] == tuple(perm)
+    assert plan.restore(out["advantages"]).tolist() == list(np.arange(8.0))
+    with pytest.raises(ValueError, match="field 'scalar'"):
+        plan.apply_fields({"scalar": [1, 2, 3]})
