@@ -45,14 +45,16 @@ engine that made it stop waiting, and flaps.
 
 Steps, in order (one step per call)
 -----------------------------------
-- Over the limit (the user lowered `maxRolloutEngines`, or the pool shrank): clamp at once.
+- Over the limit (the user lowered `maxRolloutEngines`, which caps *dedicated* engines as the API
+  says; shared engines use no extra accelerators): clamp at once, below the plan if need be.
 - Cooldown: no action within `cooldownS` of the last one.
 - Only reports taken after the last action and showing the engine counts the state targets count
   toward a streak: reports about the old configuration say nothing about the new one, and a
   dedicated engine whose pod has not joined yet must not trigger another one.
 - `wakeAfterPressuredSyncPoints` consecutive pressured points wake one sleeping shared engine
   (shared engines first: they cost no new accelerators).
-- With every shared engine awake, `scaleUpAfterPressuredSyncPoints` further pressured points add
+- With every shared engine awake, `scaleUpAfterPressuredSyncPoints` further pressured points (counted
+  after the last action, like every streak; with no shared engine, counted from the start) add
   one dedicated engine when `maxRolloutEngines` and the idle accelerators (`tensorParallel` per
   engine) allow.
 - `calmSyncPointsBeforeScaleDown` consecutive calm points undo the last kind of step first: remove
@@ -79,17 +81,17 @@ class PolicySettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_rollout_engines: int | None = Field(
-        None, ge=0, description="Most rollout engines generating at once (awake shared + dedicated)."
+        None, ge=0, description="Most dedicated rollout engines; None: as many as idle accelerators allow."
     )
     signal: SignalName = Field("integrated", description="Busy signal: integrated | snapshot.")
     busy_threshold: float = Field(
-        4.0, ge=0, description="Mean requests in flight per awake engine that counts as busy."
+        1.0, ge=0, description="Mean requests in flight per awake engine that counts as busy."
     )
     wait_threshold: float = Field(
-        0.1, gt=0, le=1, description="Fraction of the interval the trainer waited that counts as waiting."
+        0.1, ge=0, le=1, description="Fraction of the interval the trainer waited that counts as waiting."
     )
     wake_after_pressured_sync_points: int = Field(2, ge=1)
-    scale_up_after_pressured_sync_points: int = Field(3, ge=1)
+    scale_up_after_pressured_sync_points: int = Field(4, ge=1)
     calm_sync_points_before_scale_down: int = Field(3, ge=1)
     cooldown_s: float = Field(60.0, ge=0, description="Least time between two actions, s.")
 
@@ -322,19 +324,13 @@ def _describe_calm(readings: Sequence[SyncPointReading], n: int, settings: Polic
 def _clamp_to_limits(state: RolloutState, settings: PolicySettings) -> Decision | None:
     """Bring an over-limit state down at once (the limit is the user's; no streak, no cooldown)."""
     limit = settings.max_rollout_engines
-    if limit is None or state.engines_awake <= limit:
+    if limit is None or state.dedicated_engines <= limit:
         return None
-    dedicated = min(state.dedicated_engines, limit)
-    shared = min(state.shared_engines_awake, limit - dedicated)
-    action: Action = "remove_dedicated" if dedicated < state.dedicated_engines else "sleep_shared"
     return Decision(
-        action=action,
-        desired_shared_awake=shared,
-        desired_dedicated_engines=dedicated,
-        reason=(
-            f"{state.engines_awake} engines awake exceed maxRolloutEngines={limit}: "
-            f"down to {shared} shared awake + {dedicated} dedicated"
-        ),
+        action="remove_dedicated",
+        desired_shared_awake=state.shared_engines_awake,
+        desired_dedicated_engines=limit,
+        reason=f"{state.dedicated_engines} dedicated engines exceed maxRolloutEngines={limit}: down to it",
     )
 
 
@@ -388,13 +384,11 @@ def decide(
         return keep("no sync-point reports yet")
 
     limit = settings.max_rollout_engines
-    at_limit = limit is not None and state.engines_awake >= limit
+    at_limit = limit is not None and state.dedicated_engines >= limit
     if pressured >= settings.wake_after_pressured_sync_points and (
         state.shared_engines_awake < state.shared_engines_total
     ):
         why = _describe(readings, pressured, settings)
-        if at_limit:
-            return keep(f"pressured ({why}) but at maxRolloutEngines={limit}")
         return step(
             "wake_shared",
             state.shared_engines_awake + 1,
@@ -408,7 +402,7 @@ def decide(
     ):
         why = _describe(readings, pressured, settings)
         if at_limit:
-            return keep(f"pressured ({why}) but at maxRolloutEngines={limit}")
+            return keep(f"pressured ({why}) but {state.dedicated_engines} dedicated = maxRolloutEngines")
         if state.idle_accelerators < state.accelerators_per_engine:
             return keep(
                 f"pressured ({why}) but {state.idle_accelerators} idle accelerators < "

@@ -219,10 +219,10 @@ def test_interrupted_streak_does_not_wake():
     assert decide(history=hist).action == "none"
 
 
-def test_wake_blocked_at_limit():
+def test_wake_is_not_capped_by_the_dedicated_limit():
+    # maxRolloutEngines caps dedicated engines (the API's meaning); a shared engine needs no accelerator.
     s = SETTINGS.model_copy(update={"max_rollout_engines": 2})
-    d = decide(history=pressured_reports(2), s=s)
-    assert d.action == "none" and "at maxRolloutEngines=2" in d.reason
+    assert decide(history=pressured_reports(2), s=s).action == "wake_shared"
 
 
 def test_cooldown_blocks_action():
@@ -278,9 +278,9 @@ def test_add_dedicated_blocked_by_idle_accelerators():
 
 def test_add_dedicated_blocked_at_limit():
     state = STATE.model_copy(update={"shared_engines_awake": 1})
-    s = SETTINGS.model_copy(update={"max_rollout_engines": 3})
+    s = SETTINGS.model_copy(update={"max_rollout_engines": 2})
     d = decide(state=state, history=pressured_reports(3, shared=1), s=s)
-    assert d.action == "none" and "at maxRolloutEngines=3" in d.reason
+    assert d.action == "none" and "2 dedicated = maxRolloutEngines" in d.reason
 
 
 def test_calm_removes_added_dedicated_first():
@@ -308,11 +308,10 @@ def test_over_limit_clamps_at_once():
     state = STATE.model_copy(update={"shared_engines_awake": 1, "dedicated_engines": 4})
     s = SETTINGS.model_copy(update={"max_rollout_engines": 2})
     d = decide(state=state, history=pressured_reports(5, shared=1, dedicated=4), s=s)
-    assert d.action == "remove_dedicated"
-    assert (d.desired_shared_awake, d.desired_dedicated_engines) == (0, 2)
-    s = SETTINGS.model_copy(update={"max_rollout_engines": 3})
-    d = decide(state=state.model_copy(update={"dedicated_engines": 3}), s=s)
-    assert d.action == "sleep_shared" and (d.desired_shared_awake, d.desired_dedicated_engines) == (0, 3)
+    assert d.action == "remove_dedicated" and "exceed maxRolloutEngines=2" in d.reason
+    assert (d.desired_shared_awake, d.desired_dedicated_engines) == (1, 2)  # even below the plan:
+    s = SETTINGS.model_copy(update={"max_rollout_engines": 1})
+    assert decide(state=state, s=s).desired_dedicated_engines == 1
 
 
 # ---- the seed's blind spot -------------------------------------------------------------------------
@@ -352,7 +351,12 @@ def run_policy(s: policy.PolicySettings, steps: int) -> list[tuple[int, str]]:
 
 
 def test_snapshot_stays_idle_where_integrated_wakes_then_scales_up():
-    common = {"max_rollout_engines": 6, "cooldown_s": 0.0, "wake_after_pressured_sync_points": 2}
+    common = {
+        "max_rollout_engines": 6,
+        "cooldown_s": 0.0,
+        "wake_after_pressured_sync_points": 2,
+        "scale_up_after_pressured_sync_points": 3,
+    }
     seed = policy.PolicySettings.seed_rule(**common)
     ours = policy.PolicySettings(signal="integrated", busy_threshold=4.0, **common)
     assert run_policy(seed, 12) == []
@@ -437,13 +441,12 @@ def test_invariants(data: st.DataObject):
     assert d == policy.decide(state, list(history), s, now)  # deterministic
     assert d.desired_shared_awake >= 0 and d.desired_dedicated_engines >= 0
     assert d.desired_shared_awake <= state.shared_engines_total
-    total = d.desired_shared_awake + d.desired_dedicated_engines
     if s.max_rollout_engines is not None:
-        assert total <= s.max_rollout_engines
+        assert d.desired_dedicated_engines <= s.max_rollout_engines
     added = d.desired_dedicated_engines - state.dedicated_engines
     assert max(0, added) * state.accelerators_per_engine <= state.idle_accelerators
     changes = abs(d.desired_shared_awake - state.shared_engines_awake) + abs(added)
-    over_limit = s.max_rollout_engines is not None and state.engines_awake > s.max_rollout_engines
+    over_limit = s.max_rollout_engines is not None and state.dedicated_engines > s.max_rollout_engines
     if not over_limit:
         assert changes <= 1  # one step at a time
         assert d.desired_dedicated_engines >= min(state.dedicated_engines, state.planned_dedicated_engines)
@@ -474,3 +477,14 @@ def test_snapshot_zero_never_scales_up_under_seed_rule(data: st.DataObject):
     history = [r.model_copy(update={"snapshot_inflight": 0}) for r in data.draw(histories(state))]
     d = policy.decide(state, history, s, 5000.0)
     assert d.action not in ("wake_shared", "add_dedicated")
+
+
+def test_from_the_real_adaptive_spec():
+    from rljob_operator import api
+
+    assert policy.PolicySettings.from_adaptive_spec(api.AdaptiveSpec()) == policy.PolicySettings()
+    spec = api.AdaptiveSpec.model_validate(
+        {"maxRolloutEngines": 3, "signal": "snapshot", "cooldownSeconds": 5}
+    )
+    got = policy.PolicySettings.from_adaptive_spec(spec)
+    assert (got.max_rollout_engines, got.signal, got.cooldown_s) == (3, "snapshot", 5.0)
