@@ -94,9 +94,10 @@ class ModelSettings(_Model):
         description="The model's Hugging Face config.json as a dict. Required for source=tiny; for other "
         "sources the copy the operator's estimator used.",
     )
-    tokenizer: Literal["auto", "builtin-char"] = Field(
-        "auto", description="'auto' loads the tokenizer next to the weights; 'builtin-char' builds the "
-        "package's character-level tokenizer (tiny models).",
+    tokenizer: Literal["auto", "builtin-char", "builtin-digits"] = Field(
+        "auto",
+        description="'auto' loads the tokenizer next to the weights; 'builtin-char' (printable ASCII) "
+        "and 'builtin-digits' (digits and + - * = #) build a character-level tokenizer in code (tiny).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Parameter dtype.")
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")

@@ -1,0 +1,228 @@
+"""GRPO algorithms: advantage estimators, policy losses, KL estimators and loss aggregation.
+
+Role: the math of one GRPO update, registered by name like verl's `register_adv_est` /
+`register_policy_loss`, each vectorised function kept next to a slow reference it is tested
+against. Pure tensor functions: no distributed calls, no `.item()` (callers do that). Callers:
+`rljob_trainer.driver` (advantages), `rljob_trainer.trainer` (losses), tests.
+
+Token tensors are flat: one entry per token of a micro-batch, packed or padded alike, with
+`seq_ids` (long, same shape) giving each token's sequence index within the micro-batch and
+`mask` (float, 1.0 on response tokens that count, 0.0 on prompt and padding tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import torch
+
+LossAgg = Literal["seq-mean-token-mean", "token-mean"]
+
+
+# ---- registries ----------------------------------------------------------------------------------
+class AdvEstimator(Protocol):
+    def __call__(
+        self, rewards: torch.Tensor, group_ids: torch.Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+    ) -> torch.Tensor: ...
+
+
+class PolicyLoss(Protocol):
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        clip_low: float,
+        clip_high: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_adv_est(name: str) -> Callable[[AdvEstimator], AdvEstimator]:
+    def deco(fn: AdvEstimator) -> AdvEstimator:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    def deco(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_adv_estimator(name: str) -> AdvEstimator:
+    try:
+        return ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; valid names: {', '.join(sorted(ADV_ESTIMATORS))}"
+        ) from None
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy loss {name!r}; valid names: {', '.join(sorted(POLICY_LOSSES))}"
+        ) from None
+
+
+# ---- advantages ----------------------------------------------------------------------------------
+@register_adv_est("grpo")
+def compute_grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-normalised advantages: (r - mean_group) / (std_group + eps).
+
+    rewards: (N,) float; group_ids: (N,) long, samples of one prompt share an id. std is the
+    unbiased sample std (as verl); a group of one sample gets advantage 0. Returns (N,) float32.
+    """
+    r = rewards.to(torch.float64)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inv.max().item()) + 1 if inv.numel() else 0
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
+    total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inv, r)
+    mean = total / count
+    centred = r - mean[inv]
+    sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inv, centred**2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    single = (count == 1)[inv]
+    adv = centred / (std[inv] + eps) if norm_by_std else centred
+    return torch.where(single, torch.zeros_like(adv), adv).to(torch.float32)
+
+
+def compute_grpo_advantages_reference(
+    rewards: list[float], group_ids: list[int], *, norm_by_std: bool = True, eps: float = 1e-6
+) -> list[float]:
+    """Slow loop reference of `compute_grpo_advantages`."""
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    out = [0.0] * len(rewards)
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        vals = [rewards[i] for i in members]
+        mean = sum(vals) / len(vals)
+        std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+        for i in members:
+            out[i] = (rewards[i] - mean) / (std + eps) if norm_by_std else rewards[i] - mean
+    return out
+
+
+# ---- policy losses -------------------------------------------------------------------------------
+@register_policy_loss("clipped")
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip per token with separate low/high bounds (DAPO clip-higher).
+
+    All inputs (T,). Returns (per-token loss (T,), per-token clipped indicator (T,) float).
+    loss_t = max(-A_t·ρ_t, -A_t·clip(ρ_t, 1-clip_low, 1+clip_high)), ρ_t = exp(logp_t - old_logp_t).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).to(logp.dtype)
+
+
+def clipped_policy_loss_reference(
+    logp: list[float], old_logp: list[float], advantages: list[float], *, clip_low: float, clip_high: float
+) -> list[float]:
+    """Slow per-token reference of `clipped_policy_loss` (losses only)."""
+    import math
+
+    out = []
+    for lp, olp, a in zip(logp, old_logp, advantages, strict=True):
+        ratio = math.exp(lp - olp)
+        out.append(max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)))
+    return out
+
+
+# ---- KL ------------------------------------------------------------------------------------------
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1/k2/k3). (T,) -> (T,).
+
+    k3 = exp(ref - logp) - (ref - logp) - 1 is unbiased and non-negative; clamped as verl does to
+    keep one outlier token from dominating.
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        d = -log_ratio
+        return torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; valid names: k1, k2, k3")
+
+
+# ---- aggregation ---------------------------------------------------------------------------------
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    *,
+    mode: LossAgg,
+    global_num_seqs: int,
+    global_num_tokens: int,
+) -> torch.Tensor:
+    """This micro-batch's share of the global-batch loss (a scalar).
+
+    seq-mean-token-mean: Σ_seq (Σ_t l·m / Σ_t m) / global_num_seqs — every sequence weighs the
+    same however long it is and wherever (rank, micro-batch) it landed, so summing the shares over
+    micro-batches and ranks gives exactly the per-sequence mean over the global batch and DP
+    balancing (which only moves sequences) leaves the gradient unchanged.
+    token-mean: Σ l·m / global_num_tokens.
+    """
+    if global_num_seqs < 1 or global_num_tokens < 1:
+        raise ValueError("global_num_seqs and global_num_tokens must be >= 1")
+    lm = per_token * mask
+    if mode == "token-mean":
+        return lm.sum() / global_num_tokens
+    if mode == "seq-mean-token-mean":
+        n = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+        seq_sum = torch.zeros(n, dtype=lm.dtype, device=lm.device).index_add(0, seq_ids, lm)
+        seq_len = torch.zeros(n, dtype=lm.dtype, device=lm.device).index_add(0, seq_ids, mask.to(lm.dtype))
+        return (seq_sum / seq_len.clamp(min=1.0)).sum() / global_num_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: seq-mean-token-mean, token-mean")
+
+
+def aggregate_loss_reference(
+    per_token: list[float],
+    mask: list[float],
+    seq_ids: list[int],
+    *,
+    mode: LossAgg,
+    global_num_seqs: int,
+    global_num_tokens: int,
+) -> float:
+    """Slow reference of `aggregate_loss`."""
+    if mode == "token-mean":
+        return sum(v * m for v, m in zip(per_token, mask, strict=True)) / global_num_tokens
+    sums: dict[int, float] = {}
+    lens: dict[int, float] = {}
+    for v, m, s in zip(per_token, mask, seq_ids, strict=True):
+        sums[s] = sums.get(s, 0.0) + v * m
+        lens[s] = lens.get(s, 0.0) + m
+    return sum(sums[s] / max(lens[s], 1.0) for s in sums) / global_num_seqs

@@ -1,0 +1,175 @@
+"""Model and tokenizer builders: the one place weights and tokenizers come from.
+
+Role: build the tokenizer (loaded next to the weights, or a character-level one built in code for
+tiny models), the policy model (from a volume path, the hub, or random weights from a small config)
+with LoRA adapters or full fine-tuning, and the plain state dict rollout engines load. Callers:
+`rljob_trainer.trainer` (training ranks), `rljob_trainer.engines.transformers_engine` (CPU engine),
+`rljob_trainer.driver` (tokenizer for prompts and rewards), tests.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from rljob_trainer import config as config_mod
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+CHARSETS: dict[str, str] = {
+    "builtin-char": "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c") + "\n",
+    "builtin-digits": "0123456789+-*=# ",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer(charset: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over `charset` (ids: specials first, then chars in order).
+
+    No merges and no normaliser, so `decode(encode(s)) == s` for any string over the charset.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in charset:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN
+    )
+
+
+def tiny_hf_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    model_type: str = "qwen2",
+) -> dict[str, Any]:
+    """A small decoder-only config dict (Qwen2 layout by default) for tests and the toy task."""
+    return {
+        "model_type": model_type,
+        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": hidden_size // num_attention_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+    }
+
+
+def load_tokenizer(settings: config_mod.ModelSettings) -> PreTrainedTokenizerFast:
+    """The tokenizer for `settings`: built in code (builtin-*) or loaded next to the weights."""
+    if settings.tokenizer in CHARSETS:
+        return build_char_tokenizer(CHARSETS[settings.tokenizer])
+    from transformers import AutoTokenizer
+
+    src, kwargs = _source(settings)
+    tok = AutoTokenizer.from_pretrained(src, **kwargs)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _source(settings: config_mod.ModelSettings) -> tuple[str, dict[str, Any]]:
+    if settings.source == "pvc":
+        return str(settings.path), {}
+    if settings.source == "hub":
+        token = os.environ.get(settings.hub_token_env) if settings.hub_token_env else None
+        return str(settings.hub_id), ({"token": token} if token else {})
+    raise ValueError(f"model.source {settings.source!r} has no weights to load; build it from hfConfig")
+
+
+def build_base_model(
+    settings: config_mod.ModelSettings, *, init_seed: int, attn_implementation: str = "sdpa"
+) -> PreTrainedModel:
+    """The base causal LM (no adapters). Tiny models get deterministic random weights from `init_seed`."""
+    dtype = _DTYPES[settings.dtype]
+    if settings.source == "tiny":
+        hf = dict(settings.hf_config or {})
+        model_type = hf.pop("model_type")
+        cfg = AutoConfig.for_model(model_type, **hf)
+        # Same seed on every rank and engine -> identical initial weights everywhere.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            model = AutoModelForCausalLM.from_config(
+                cfg, dtype=dtype, attn_implementation=attn_implementation
+            )
+    else:
+        src, kwargs = _source(settings)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+        )
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def apply_finetune_mode(model: PreTrainedModel, settings: config_mod.ModelSettings) -> torch.nn.Module:
+    """Wrap `model` with LoRA adapters (peft) or leave every parameter trainable (full FT)."""
+    if settings.finetune == "full":
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = settings.lora
+    peft_cfg = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 parameters are DTensors: gather the full tensor before handing it to an engine.
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def iter_engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the base model's naming, LoRA merged in, detached on CPU.
+
+    With LoRA, adapters are merged for the read and unmerged afterwards, so the trainer's weights
+    are unchanged. Engines load these names with `load_state_dict` (CPU) or `load_weights` (vLLM).
+    """
+    if is_lora(model):
+        model.merge_adapter()
+        try:
+            base = model.get_base_model()
+            for name, t in base.state_dict().items():
+                if "lora_" in name:
+                    continue
+                yield name.replace(".base_layer.", "."), _full_tensor(t).detach().to("cpu").clone()
+        finally:
+            model.unmerge_adapter()
+    else:
+        for name, t in model.state_dict().items():
+            yield name, _full_tensor(t).detach().to("cpu").clone()
