@@ -52,6 +52,7 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 # --------------------------------------------------------------------------------------------
 Dtype = Literal["bfloat16", "float16", "float32"]
 FinetuneMode = Literal["lora", "full"]
+TinyTokenizer = Literal["builtin-char", "builtin-digits"]
 LossNormalization = Literal["sequenceMean", "tokenMean", "sequenceSumNorm"]
 BuiltinDataset = Literal["gsm8k-sample", "toy-arithmetic"]
 RewardName = Literal["mathAccuracy", "format", "module"]
@@ -108,7 +109,6 @@ Quantity = Annotated[
     AfterValidator(_check_quantity),
     WithJsonSchema(
         {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
             "pattern": _QUANTITY_PATTERN,
             "x-kubernetes-int-or-string": True,
         }
@@ -141,13 +141,10 @@ class CelRule:
     message: str
     check: Callable[[Any], bool]
     field_path: str | None = None
-    message_expression: str | None = None
     reason: Literal["FieldValueInvalid", "FieldValueRequired", "FieldValueForbidden"] | None = None
 
     def to_schema(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rule": self.rule, "message": self.message}
-        if self.message_expression:
-            out["messageExpression"] = self.message_expression
         if self.field_path:
             out["fieldPath"] = self.field_path
         if self.reason:
@@ -241,8 +238,16 @@ class HubModelSource(_Spec):
 class TinyModelSource(_Spec):
     """Build a small model with random weights from `spec.model.config` inside the pod.
 
-    For CPU demos and tests: no download, no volume; a tokenizer is built locally.
+    For CPU demos and tests: no download, no volume; a character-level tokenizer is built in code,
+    so `spec.model.config.inline.vocab_size` must be at least its size (builtin-digits: 19 ids,
+    builtin-char: 99 ids).
     """
+
+    tokenizer: TinyTokenizer = Field(
+        "builtin-char",
+        description="Character-level tokenizer built in code: builtin-char (printable ASCII) or "
+        "builtin-digits (digits and + - * = # and space, enough for toy-arithmetic).",
+    )
 
 
 class ModelSource(_Spec):
@@ -405,11 +410,6 @@ class LengthsSpec(_Spec):
             "self.maxModelLen",
             message="spec.lengths.maxModelLen must be at least maxPromptTokens + maxCompletionTokens; "
             "raise maxModelLen or lower the token limits",
-            message_expression="'spec.lengths.maxModelLen (' + string(self.maxModelLen) + ') must be at "
-            "least "
-            "maxPromptTokens + maxCompletionTokens (' + string(self.maxPromptTokens + "
-            "self.maxCompletionTokens) "
-            "+ '); raise maxModelLen or lower the token limits'",
             field_path=".maxModelLen",
             check=lambda s: (
                 s.max_model_len is None or s.max_prompt_tokens + s.max_completion_tokens <= s.max_model_len
@@ -806,9 +806,6 @@ class ResourcesSpec(_Spec):
         CelRule(
             rule="self.totalAccelerators % self.acceleratorsPerNode == 0",
             message="spec.resources.acceleratorsPerNode must divide totalAccelerators (whole nodes per job)",
-            message_expression="'spec.resources.acceleratorsPerNode (' + string(self.acceleratorsPerNode) + "
-            "') must "
-            "divide totalAccelerators (' + string(self.totalAccelerators) + ')'",
             field_path=".acceleratorsPerNode",
             check=lambda s: s.total_accelerators % s.accelerators_per_node == 0,
         ),
@@ -827,9 +824,6 @@ class ResourcesSpec(_Spec):
             "<= self.totalAccelerators",
             message="spec.resources.static: trainerAccelerators + rolloutAccelerators must not exceed "
             "totalAccelerators",
-            message_expression="'spec.resources.static: trainerAccelerators + rolloutAccelerators (' + "
-            "string(self.static.trainerAccelerators + self.static.rolloutAccelerators) + ') must not exceed "
-            "totalAccelerators (' + string(self.totalAccelerators) + ')'",
             field_path=".static",
             check=lambda s: (
                 s.static is None
@@ -1169,6 +1163,7 @@ class RLJobStatus(_Status):
         default_factory=list,
         max_length=32,
         description="Latest observations of the job's state, one per type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     plan: PlanStatus | None = Field(None, description="The accelerator and engine plan in force.")
     rollout: RolloutStatus | None = Field(None, description="Rollout engines and the last adaptive decision.")
