@@ -1,0 +1,208 @@
+"""Transformers rollout engine: the CPU (and test) implementation of `base.RolloutEngine`.
+
+Role: generate completions with a plain Hugging Face causal LM, a KV cache and a per-request seeded
+sampler (so a request's output does not depend on the batch it shares), sleep by offloading
+weights out of the model (what vLLM's sleep level 1 does on an accelerator), and take new weights
+in place with `load_state_dict`. Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor
+or in-process), tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rljob_trainer import config as config_mod
+from rljob_trainer import modeling
+from rljob_trainer.engines import base
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the smallest set of tokens whose mass reaches top_p; renormalise. (V,)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+    filtered = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+    return filtered / filtered.sum()
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns); 4.x has only the old.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+class TransformersEngine(base.RolloutEngine):
+    """A CPU engine. `colocated` only labels it (shared vs dedicated); both kinds can sleep."""
+
+    def __init__(
+        self,
+        cfg: config_mod.TrainerConfig,
+        *,
+        name: str,
+        colocated: bool,
+        device: str = "cpu",
+        torch_threads: int | None = None,
+    ) -> None:
+        self.name = name
+        self.colocated = colocated
+        self._cfg = cfg
+        self._device = torch.device(device)
+        self._torch_threads = torch_threads
+        self._model: torch.nn.Module | None = None
+        self._offloaded: dict[str, torch.Tensor] | None = None
+        self._version = 0
+        self._served = 0
+        self._tokens = 0
+        tok = modeling.load_tokenizer(cfg.model)
+        self._pad_id = int(tok.pad_token_id)
+        self._eos_id = int(tok.eos_token_id)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def load(self) -> None:
+        if self._model is not None:
+            return
+        if self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+        model = modeling.build_base_model(
+            self._cfg.model, init_seed=self._cfg.grpo.seed, attn_implementation="sdpa"
+        )
+        self._model = model.to(self._device).eval()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RuntimeError(f"engine {self.name}: load() has not been called")
+        return self._model
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._offloaded is not None
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    def sleep(self) -> None:
+        if self.is_sleeping:
+            return
+        # Move every parameter's storage out of the model (vLLM level 1 offloads weights to host
+        # memory and drops the KV cache; here there is no cache to drop between calls).
+        offloaded: dict[str, torch.Tensor] = {}
+        for n, p in self.model.named_parameters():
+            offloaded[n] = p.data.to("cpu", copy=True)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._offloaded = offloaded
+
+    def wake(self) -> None:
+        if self._offloaded is None:
+            return
+        for n, p in self.model.named_parameters():
+            p.data = self._offloaded[n].to(self._device)
+        self._offloaded = None
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any]) -> int:
+        items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        state = self.model.state_dict() if not self.is_sleeping else None
+        expected = set(state) if state is not None else set(self._offloaded or {})
+        unknown = sorted(set(items) - set(self.model.state_dict()) - expected)
+        if unknown:
+            raise ValueError(f"engine {self.name}: unknown weight names {unknown[:5]}")
+        if self._offloaded is not None:
+            # Asleep: update the offloaded copy; wake() brings the new weights back.
+            for k, v in items.items():
+                if k in self._offloaded:
+                    self._offloaded[k] = torch.as_tensor(v).to(self._offloaded[k].dtype).clone()
+        else:
+            with torch.no_grad():
+                params = dict(self.model.named_parameters())
+                buffers = dict(self.model.named_buffers())
+                for k, v in items.items():
+                    target = params.get(k, buffers.get(k))
+                    if target is None:  # a tied alias (lm_head.weight) already covered by its owner
+                        continue
+                    target.copy_(torch.as_tensor(v).to(target.dtype))
+        self._version += 1
+        return len(items)
+
+    def load_report(self) -> base.EngineLoad:
+        return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)
+
+    # ---- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
+    ) -> list[base.GenerationOutput]:
+        if self.is_sleeping:
+            raise RuntimeError(f"engine {self.name} is asleep; wake() it before generate()")
+        n = len(prompts_token_ids)
+        if n == 0:
+            return []
+        seeds = sampling.seeds if sampling.seeds is not None else tuple(range(n))
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        stop = {self._eos_id, *sampling.stop_token_ids}
+        model = self.model
+        max_len = max(len(p) for p in prompts_token_ids)
+        ids = torch.full((n, max_len), self._pad_id, dtype=torch.long)
+        attn = torch.zeros((n, max_len), dtype=torch.long)
+        for i, p in enumerate(prompts_token_ids):  # left padding: every row ends at its prompt's end
+            ids[i, max_len - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            attn[i, max_len - len(p) :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids.to(self._device),
+            attention_mask=attn.to(self._device),
+            position_ids=pos.to(self._device),
+            use_cache=True,
+        )
+        cache_kw = _cache_kwarg(model)
+        past = _cache_of(out)
+        logits = out.logits[:, -1, :].float().cpu()
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        done = [False] * n
+        reasons = ["length"] * n
+        next_pos = pos[:, -1:] + 1
+        for step in range(sampling.max_tokens):
+            logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+            nxt = torch.full((n,), self._pad_id, dtype=torch.long)
+            for i in range(n):
+                if done[i]:
+                    continue
+                probs = _top_p_filter(logp[i].exp(), sampling.top_p)
+                tok = int(torch.multinomial(probs, 1, generator=gens[i]).item())
+                tokens[i].append(tok)
+                lps[i].append(float(logp[i, tok]))
+                nxt[i] = tok
+                if tok in stop:
+                    done[i], reasons[i] = True, "stop"
+            if all(done) or step == sampling.max_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long)], dim=1)
+            out = model(
+                input_ids=nxt[:, None].to(self._device),
+                attention_mask=attn.to(self._device),
+                position_ids=next_pos.to(self._device),
+                use_cache=True,
+                **{cache_kw: past},
+            )
+            past = _cache_of(out)
+            logits = out.logits[:, -1, :].float().cpu()
+            next_pos = next_pos + 1
+        self._served += n
+        self._tokens += sum(len(t) for t in tokens)
+        return [
+            base.GenerationOutput(
+                tuple(p), tuple(t), tuple(lp), r, {"engine": self.name, "version": self._version}
+            )
+            for p, t, lp, r in zip(prompts_token_ids, tokens, lps, reasons, strict=True)
+        ]
