@@ -189,6 +189,7 @@ def refine_by_swaps(
     *,
     max_swaps: int = 1000,
     candidates_per_pair: int = 8,
+    max_evaluations: int = 1500,
 ) -> list[list[int]]:
     """Swap one sample of the slowest rank with one of a lighter rank while the slowest gets lighter.
 
@@ -198,7 +199,9 @@ def refine_by_swaps(
         weights: additive per-sample surrogate cost (exact for packed layouts), used only to rank
             candidate swaps so few exact evaluations are needed.
         max_swaps: stop after this many accepted swaps (bounds planning time).
-        candidates_per_pair: exact evaluations per (slowest, other) rank pair and step.
+        candidates_per_pair: candidate swaps evaluated exactly per (slowest, other) rank pair and step.
+        max_evaluations: stop after this many calls to `evaluate` (bounds planning time when each call
+            re-plans a padded rank; packed layouts converge long before).
 
     A swap between the slowest rank s (cost S) and rank r is accepted only if both new costs are
     strictly below S, so the maximum never rises and the descending cost vector decreases
@@ -206,7 +209,10 @@ def refine_by_swaps(
     """
     out = [list(g) for g in groups]
     costs = [evaluate(g) for g in out]
+    evaluations = len(out)
     for _ in range(max_swaps):
+        if evaluations >= max_evaluations:
+            break
         s = max(range(len(out)), key=lambda r: (costs[r], -r))
         top = costs[s]
         accepted = False
@@ -229,6 +235,7 @@ def refine_by_swaps(
                 y = other[b]
                 new_s = evaluate([*out[s][:a], y, *out[s][a + 1 :]])
                 new_r = evaluate([i for i in out[r] if i != y] + [out[s][a]])
+                evaluations += 2
                 worst = max(new_s, new_r)
                 if _strictly_less(worst, top) and (best is None or worst < best[0]):
                     best = (worst, a, y, new_s, new_r)

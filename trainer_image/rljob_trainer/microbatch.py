@@ -194,13 +194,18 @@ def split_to_count(
         g = max(
             splittable, key=lambda j: (micro_batch_tokens([lengths[i] for i in out[j]], packed=packed), -j)
         )
-        members = out[g]
-        best_cut, best_tokens = 1, math.inf
+        members = out[g]  # sorted longest first
+        sizes = [lengths[i] for i in members]
+        total = sum(sizes)
+        best_cut, best_tokens, head_sum = 1, math.inf, 0
         for cut in range(1, len(members)):
-            head = micro_batch_tokens([lengths[i] for i in members[:cut]], packed=packed)
-            tail = micro_batch_tokens([lengths[i] for i in members[cut:]], packed=packed)
-            if max(head, tail) < best_tokens:
-                best_cut, best_tokens = cut, max(head, tail)
+            head_sum += sizes[cut - 1]
+            if packed:
+                larger = max(head_sum, total - head_sum)
+            else:  # padded: each half's longest is its first member
+                larger = max(cut * sizes[0], (len(sizes) - cut) * sizes[cut])
+            if larger < best_tokens:
+                best_cut, best_tokens = cut, larger
         out[g : g + 1] = [members[:best_cut], members[best_cut:]]
     return out
 
