@@ -35,13 +35,17 @@ dilutes the average by `generationS / intervalS`; set `busyThreshold` with that 
 
 Calm, and why scale-down predicts instead of reacting
 -----------------------------------------------------
-A sync point is *calm* when the trainer would still not wait (below `waitThreshold`) even with one
-engine fewer. With `E` engines awake and throughput-bound generation, one fewer engine stretches
-generation by at most `generationS / (E - 1)`; calm means
-`(trainerWaitS + generationS / (E - 1)) / (intervalS + generationS / (E - 1)) < waitThreshold`.
-This bound is conservative (in a one-step-off pipeline part of the stretch hides behind training),
-and that is the point: a rule that scales down as soon as the trainer stops waiting removes the
-engine that made it stop waiting, and flaps.
+A sync point is *calm* when, with one engine fewer, the trainer would still not wait (below
+`waitThreshold`) or the engines would still not be busy (below `busyThreshold`): the mirror image
+of pressure, so a step down cannot be undone by the very next reading.
+- Wait: with `E` engines awake and throughput-bound generation, one fewer engine stretches
+  generation by at most `generationS / (E - 1)`. If the trainer waited at all, generation ended when
+  the wait did, so all of the stretch adds to the wait (this covers synchronous pipelines, where
+  the trainer always waits for generation). If it did not wait, generation overlapped training and
+  finished `intervalS - generationS` early; only the stretch beyond that slack adds to the wait.
+- Busy: the same requests on one engine fewer are `E / (E - 1)` times as many per engine.
+A rule that scales down as soon as the trainer stops waiting removes the engine that made it stop
+waiting, and flaps; the prediction is what prevents that.
 
 Steps, in order (one step per call)
 -----------------------------------
@@ -247,25 +251,31 @@ class SyncPointReading:
     pressured: bool
     calm: bool
     predicted_wait_fraction: float  # with one engine fewer; inf when no engine could be removed
+    predicted_busy_per_engine: float  # with one engine fewer; inf when no engine could be removed
 
 
 def read_sync_point(report: telemetry.SyncReport, settings: PolicySettings) -> SyncPointReading:
     """Classify one report. An empty interval (the first sync) is neither pressured nor calm."""
     busy = get_busy_signal(settings.signal)(report)
     if report.interval_s <= 0:
-        return SyncPointReading(report.step, 0.0, busy, False, False, float("inf"))
+        return SyncPointReading(report.step, 0.0, busy, False, False, float("inf"), float("inf"))
     wait_fraction = min(1.0, report.trainer_wait_s / report.interval_s)
     waited = wait_fraction >= settings.wait_threshold
     is_busy = busy.per_engine > 0 and busy.per_engine >= settings.busy_threshold
     engines = report.shared_engines_awake + report.dedicated_engines
     if engines >= 2:
         stretch_s = report.generation_s / (engines - 1)
-        predicted = (report.trainer_wait_s + stretch_s) / (report.interval_s + stretch_s)
+        slack_s = 0.0 if report.trainer_wait_s > 0 else max(0.0, report.interval_s - report.generation_s)
+        extra_wait_s = max(0.0, stretch_s - slack_s)
+        predicted_wait = (report.trainer_wait_s + extra_wait_s) / (report.interval_s + extra_wait_s)
+        predicted_busy = busy.per_engine * engines / (engines - 1)
     else:
-        predicted = float("inf")
-    # predicted >= wait_fraction, so a calm point is also one where the trainer did not wait.
-    calm = predicted < settings.wait_threshold
-    return SyncPointReading(report.step, wait_fraction, busy, waited and is_busy, calm, predicted)
+        predicted_wait = predicted_busy = float("inf")
+    # Each prediction is >= today's reading, so a calm point is never a pressured one.
+    calm = predicted_wait < settings.wait_threshold or predicted_busy < settings.busy_threshold
+    return SyncPointReading(
+        report.step, wait_fraction, busy, waited and is_busy, calm, predicted_wait, predicted_busy
+    )
 
 
 def _counts_toward_streak(report: telemetry.SyncReport, state: RolloutState) -> bool:
@@ -313,11 +323,14 @@ def _describe(readings: Sequence[SyncPointReading], n: int, settings: PolicySett
 def _describe_calm(readings: Sequence[SyncPointReading], n: int, settings: PolicySettings) -> str:
     window = list(reversed(readings[:n]))
     waits = [r.wait_fraction * 100 for r in window]
-    pred = [r.predicted_wait_fraction * 100 for r in window]
+    pred_wait = [r.predicted_wait_fraction * 100 for r in window]
+    pred_busy = [r.predicted_busy_per_engine for r in window]
     steps = f"step {window[0].step}" if n == 1 else f"steps {window[0].step}–{window[-1].step}"
     return (
-        f"{steps}: trainer waited {max(waits):.0f}% of the interval at most and would wait "
-        f"{max(pred):.0f}% at most with one engine fewer (< {settings.wait_threshold * 100:.0f}%)"
+        f"{steps}: with one engine fewer the trainer would wait {min(pred_wait):.0f}–{max(pred_wait):.0f}% "
+        f"of the interval (threshold {settings.wait_threshold * 100:.0f}%; it waited {max(waits):.0f}% "
+        f"at most) or engines would hold {min(pred_busy):.1f}–{max(pred_busy):.1f} requests "
+        f"(threshold {settings.busy_threshold:g})"
     )
 
 

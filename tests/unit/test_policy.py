@@ -165,9 +165,13 @@ def test_read_first_interval_is_neither():
 
 
 def test_read_waited_but_tail_bound_is_not_pressure():
-    # The trainer waited on a long tail: engines held ~1 request each. Another engine would idle too.
+    # The trainer waited on a long tail: engines held ~1 request each. Another engine would idle too,
+    # and one engine fewer would still not be busy (2 < 4): calm, whatever the wait.
     r = policy.read_sync_point(report(1, wait_s=50.0, busy=1.0), SETTINGS)
-    assert r.wait_fraction == pytest.approx(0.5) and not r.pressured and not r.calm
+    assert r.wait_fraction == pytest.approx(0.5) and not r.pressured
+    assert r.predicted_busy_per_engine == pytest.approx(2.0) and r.calm
+    r = policy.read_sync_point(report(1, wait_s=50.0, busy=3.0), SETTINGS)  # 6 >= 4 with one fewer
+    assert not r.pressured and not r.calm
 
 
 def test_read_busy_without_wait_is_not_pressure():
@@ -178,11 +182,17 @@ def test_read_busy_without_wait_is_not_pressure():
 def test_read_calm_predicts_one_engine_fewer():
     # No wait now, but generation nearly fills the interval: with one of 2 engines fewer it would
     # take 2x and the trainer would wait. Not calm: scaling down would undo the last scale-up.
-    r = policy.read_sync_point(report(1, wait_s=0.0, generation_s=95.0, dedicated=2), SETTINGS)
-    assert r.predicted_wait_fraction > 0.1 and not r.calm
+    r = policy.read_sync_point(report(1, wait_s=0.0, generation_s=95.0, dedicated=2, busy=32.0), SETTINGS)
+    assert r.predicted_wait_fraction == pytest.approx(90 / 190) and not r.calm
+    # Generation overlapped training and ended 40 s early: a stretch of 60/(3-1) = 30 s hides in it.
+    r = policy.read_sync_point(report(1, generation_s=60.0, dedicated=3, busy=32.0), SETTINGS)
+    assert r.predicted_wait_fraction == 0.0 and r.calm
+    # The same, but the trainer waited 1 s: generation ended with the wait, no slack, all 30 s add.
+    r = policy.read_sync_point(report(1, wait_s=1.0, generation_s=60.0, dedicated=3, busy=32.0), SETTINGS)
+    assert r.predicted_wait_fraction == pytest.approx(31 / 130) and not r.calm
     # A single engine can never be removed.
     r = policy.read_sync_point(report(1, generation_s=1.0, dedicated=1), SETTINGS)
-    assert r.predicted_wait_fraction == float("inf") and not r.calm
+    assert r.predicted_wait_fraction == r.predicted_busy_per_engine == float("inf") and not r.calm
 
 
 def test_snapshot_with_no_awake_engine_reads_raw_count():
@@ -454,6 +464,9 @@ def test_invariants(data: st.DataObject):
             assert now - state.last_action_time_s >= s.cooldown_s
     assert (changes == 0) == (d.action == "none")
     assert d.reason
+    for r in history:  # hysteresis: no reading is both
+        reading = policy.read_sync_point(r, s)
+        assert not (reading.pressured and reading.calm)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,388 @@
+"""Adaptive-mode benchmark: a seeded discrete-event simulator of a one-step-off GRPO job.
+
+Role: shows what `rljob_operator.policy.decide()` buys over a static split and over the seed's
+snapshot rule when generation length drifts. Run `python bench/adaptive.py` (table) or
+`python bench/adaptive.py --json`; `tests/unit/test_bench_adaptive.py` runs a short version. Pure
+and deterministic: no clock, randomness only from `numpy.random.default_rng(seed + step)`, and
+every policy sees the same response lengths at the same step (common random numbers).
+
+The job (defaults: 8 accelerators, Qwen3-4B-like numbers on an H100-class card):
+- 4 trainer accelerators; one colocated *shared* rollout engine sleeps on them; 2 *dedicated*
+  engines (TP 1) on their own accelerators; 2 idle accelerators the policy may claim.
+- One-step-off pipeline, as in the seed's run: at each weight sync the trainer pushes weights to
+  the awake engines (`sync_base_s + sync_per_engine_s` per engine), the dedicated engines start
+  generating the next batch with them while the trainer trains on the current one, and the
+  trainer then waits for the batch. So nothing is in flight at any sync instant (the seed's blind
+  spot). If requests are still *queued* when training ends and the shared engine is enabled, it
+  wakes (`wake_s`), pulls queued requests, and sleeps again (`sleep_s`) before training resumes.
+- Engines decode with continuous batching through one admission queue (the dispatcher). Each
+  engine runs up to `min(max_num_seqs, kv_capacity_tokens // (prompt + mean response))`
+  requests; one decode iteration takes `iter_base_s + iter_s_per_kv_token * Σ context tokens`
+  (weights read + KV read), so longer responses lower both concurrency and per-token speed.
+  Response lengths are lognormal around the trace's mean, capped at `max_response_tokens` (the
+  spike at the completion cap), so long batches end in a tail no extra engine can shorten.
+- Training on the trainer accelerators takes `train_fixed_s + tokens / train_tokens_per_s`.
+- The operator sees one `SyncReport` per sync (integrated in-flight request-seconds, engine-seconds,
+  the sync-instant snapshot, ...), calls `decide()`, and the driver applies shared targets at the
+  next sync; a dedicated engine joins at the first sync `pod_start_s` after the decision and holds
+  its accelerators from the decision on.
+
+Policies: `static` (the launch plan, never changes), `static-max` (every accelerator from the start:
+4 dedicated + shared enabled), `seed-snapshot` (`PolicySettings.seed_rule()`), `integrated` (ours,
+the API defaults). Traces: `grow` (mean response 300 → 3000 tokens, as RL makes models think
+longer), `grow-shrink` (300 → 3000 → 300), `flat-short` (300 throughout: adaptive must not act).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+from rljob_operator import policy
+from rljob_trainer import telemetry
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """Numbers of the simulated job. Times in s, sizes in tokens."""
+
+    prompts_per_step: int = 64
+    group_size: int = 8
+    prompt_tokens: int = 300
+    max_response_tokens: int = 8192
+    length_sigma: float = 0.7  # lognormal shape of response lengths
+    # Decode model of one engine (TP 1).
+    max_num_seqs: int = 256
+    kv_capacity_tokens: int = 400_000
+    iter_base_s: float = 0.008
+    iter_s_per_kv_token: float = 4.4e-8
+    # Trainer (4 accelerators).
+    trainer_accelerators: int = 4
+    train_fixed_s: float = 5.0
+    train_tokens_per_s: float = 16_000.0
+    # Engines and the cluster.
+    total_accelerators: int = 8
+    accelerators_per_engine: int = 1
+    planned_dedicated_engines: int = 2
+    shared_engines_total: int = 1
+    wake_s: float = 5.0
+    sleep_s: float = 2.0
+    sync_base_s: float = 3.0
+    sync_per_engine_s: float = 0.5
+    pod_start_s: float = 120.0
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+# ---- traces --------------------------------------------------------------------------------------
+
+
+def _ramp(a: float, b: float, x: float) -> float:
+    return a + (b - a) * min(1.0, max(0.0, x))
+
+
+TRACES: dict[str, Callable[[int, int], float]] = {
+    # mean response tokens at step `i` of `n`
+    "grow": lambda i, n: _ramp(300.0, 3000.0, i / (0.8 * n)),
+    "grow-shrink": lambda i, n: (
+        _ramp(300.0, 3000.0, i / (0.4 * n))
+        if i < 0.5 * n
+        else _ramp(3000.0, 300.0, (i - 0.5 * n) / (0.3 * n))
+    ),
+    "flat-short": lambda i, n: 300.0,
+}
+
+
+def response_lengths(job: JobModel, mean_tokens: float, seed: int) -> np.ndarray:
+    """Response lengths (tokens) of one batch: lognormal with mean `mean_tokens`, capped."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean_tokens) - job.length_sigma**2 / 2
+    raw = rng.lognormal(mu, job.length_sigma, job.responses_per_step)
+    return np.clip(np.rint(raw), 16, job.max_response_tokens).astype(np.int64)
+
+
+# ---- generation: continuous batching on several engines behind one admission queue ---------------
+
+
+@dataclass
+class _Engine:
+    slots: int
+    clock_tokens: int = 0  # tokens each running request has advanced since this engine started
+    admit_sum: int = 0  # Σ over running requests of the clock at their admission
+    running: list[tuple[int, int]] = field(default_factory=list)  # heap of (finish clock, admit clock)
+
+    def iter_s(self, job: JobModel, ahead_tokens: float) -> float:
+        """Seconds per decode iteration, context measured `ahead_tokens` into the segment."""
+        c = len(self.running)
+        ctx_tokens = c * (job.prompt_tokens + self.clock_tokens + ahead_tokens) - self.admit_sum
+        return job.iter_base_s + job.iter_s_per_kv_token * ctx_tokens
+
+
+class Generation:
+    """One batch on engines that may join late; event-driven, exact up to the mid-segment context.
+
+    All requests wait in one admission queue (the dispatcher); an engine admits while it has slots.
+    Between two events of an engine its running requests advance in lockstep, so a segment ends
+    when the first of them finishes."""
+
+    def __init__(self, job: JobModel, lengths: np.ndarray, start_s: float, mean_tokens: float) -> None:
+        self.job = job
+        self.queue = [int(x) for x in lengths[::-1]]  # pop() from the end = dataset order
+        self.outstanding = len(self.queue)
+        self.now_s = start_s
+        self.end_s = start_s
+        self.inflight_request_seconds = 0.0
+        kv_slots = job.kv_capacity_tokens // int(job.prompt_tokens + mean_tokens)
+        self.slots = max(1, min(job.max_num_seqs, kv_slots))
+        self.engines: list[_Engine] = []
+        self.events: list[tuple[float, int]] = []  # (time s, engine index)
+
+    def add_engine(self, join_s: float) -> None:
+        self.engines.append(_Engine(self.slots))
+        heapq.heappush(self.events, (join_s, len(self.engines) - 1))
+
+    def run_until(self, limit_s: float = math.inf) -> None:
+        """Process events up to `limit_s`, or until every response finished."""
+        while self.outstanding and self.events and self.events[0][0] <= limit_s:
+            t, idx = heapq.heappop(self.events)
+            self.inflight_request_seconds += self.outstanding * (t - self.now_s)
+            self.now_s = t
+            eng = self.engines[idx]
+            while eng.running and eng.running[0][0] <= eng.clock_tokens:
+                _, admitted = heapq.heappop(eng.running)
+                eng.admit_sum -= admitted
+                self.outstanding -= 1
+            if not self.outstanding:
+                self.end_s = t
+                return
+            while self.queue and len(eng.running) < eng.slots:
+                heapq.heappush(eng.running, (eng.clock_tokens + self.queue.pop(), eng.clock_tokens))
+                eng.admit_sum += eng.clock_tokens
+            if eng.running:
+                step_tokens = eng.running[0][0] - eng.clock_tokens
+                dt_s = step_tokens * eng.iter_s(self.job, step_tokens / 2)
+                eng.clock_tokens += step_tokens
+                heapq.heappush(self.events, (t + dt_s, idx))
+        if self.outstanding and limit_s < math.inf:
+            self.inflight_request_seconds += self.outstanding * (limit_s - self.now_s)
+            self.now_s = limit_s
+
+
+# ---- the job -------------------------------------------------------------------------------------
+
+POLICIES = ("static", "static-max", "seed-snapshot", "integrated")
+
+
+def policy_settings(name: str) -> policy.PolicySettings | None:
+    """Settings for an adaptive policy name; None for the static splits."""
+    if name == "seed-snapshot":
+        return policy.PolicySettings.seed_rule()
+    if name == "integrated":
+        return policy.PolicySettings()
+    if name in ("static", "static-max"):
+        return None
+    raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    trace: str
+    policy: str
+    steps: int
+    total_s: float
+    steps_per_hour: float
+    accelerator_hours: float
+    steps_per_accelerator_hour: float
+    mean_trainer_wait_fraction: float
+    actions: dict[str, int]
+    first_action_step: int | None
+    max_dedicated_engines: int
+
+
+def simulate(
+    trace: str, policy_name: str, *, steps: int = 200, seed: int = 0, job: JobModel | None = None
+) -> RunResult:
+    """Run one job of `steps` optimizer steps under one policy; returns its totals."""
+    job = job or JobModel()
+    mean_of = TRACES[trace]
+    settings = policy_settings(policy_name)
+    if policy_name == "static-max":
+        spare = job.total_accelerators - job.trainer_accelerators
+        job = replace(job, planned_dedicated_engines=spare // job.accelerators_per_engine)
+    tp = job.accelerators_per_engine
+    shared_target = job.shared_engines_total if policy_name == "static-max" else 0
+    dedicated_target = job.planned_dedicated_engines
+    driver_view = (shared_target, dedicated_target)  # what the driver read at the last sync
+    ready_s: list[float] = [0.0] * job.planned_dedicated_engines  # pod ready times, allocated pods
+    last_action_s: float | None = None
+    history: list[telemetry.SyncReport] = []
+    actions: dict[str, int] = {}
+    first_action: int | None = None
+    accel_s = 0.0
+    waited_s = 0.0
+    max_dedicated = 0
+
+    def batch(i: int) -> tuple[np.ndarray, float]:
+        mean = mean_of(i, steps)
+        return response_lengths(job, mean, seed * 100_003 + i), mean
+
+    # Batch 0: generated before the first step by the planned engines; the trainer waits for it.
+    lengths, mean = batch(0)
+    gen = Generation(job, lengths, 0.0, mean)
+    for _ in range(job.planned_dedicated_engines):
+        gen.add_engine(0.0)
+    gen.run_until()
+    t_s = gen.end_s
+    accel_s += t_s * (job.trainer_accelerators + len(ready_s) * tp)
+    current = lengths
+
+    for k in range(steps):
+        # Sync k: the driver applies the targets it read; dedicated pods that are ready join.
+        shared_awake, dedicated_wanted = driver_view
+        dedicated = min(dedicated_wanted, sum(1 for r in ready_s if r <= t_s))
+        max_dedicated = max(max_dedicated, dedicated)
+        sync_s = job.sync_base_s + job.sync_per_engine_s * (dedicated + shared_awake)
+        gen_start_s = t_s + sync_s
+        train_s = (
+            job.train_fixed_s + (current.sum() + len(current) * job.prompt_tokens) / job.train_tokens_per_s
+        )
+        train_end_s = gen_start_s + train_s
+        lengths, mean = batch(k + 1)
+        gen = Generation(job, lengths, gen_start_s, mean)
+        for _ in range(dedicated):
+            gen.add_engine(gen_start_s)
+        gen.run_until(train_end_s)
+        shared_s = 0.0
+        if gen.outstanding and shared_awake and gen.queue:
+            for _ in range(shared_awake):
+                gen.add_engine(train_end_s + job.wake_s)
+            gen.run_until()
+            resume_s = max(gen.end_s, train_end_s + job.wake_s) + job.sleep_s
+            shared_s = shared_awake * max(0.0, gen.end_s - (train_end_s + job.wake_s))
+        else:
+            gen.run_until()
+            resume_s = max(gen.end_s, train_end_s)
+        wait_s = resume_s - train_end_s
+        interval_s = resume_s - t_s
+        accel_s += interval_s * (job.trainer_accelerators + len(ready_s) * tp)
+        waited_s += wait_s
+        report = telemetry.SyncReport(
+            step=k,
+            time=resume_s,
+            interval_s=interval_s,
+            trainer_wait_s=wait_s,
+            generation_s=gen.end_s - gen_start_s,
+            training_s=train_s,
+            inflight_request_seconds=gen.inflight_request_seconds,
+            engine_seconds=dedicated * interval_s + shared_s,
+            snapshot_inflight=gen.outstanding,  # at the sync instant: the batch is complete, so 0
+            shared_engines_awake=shared_awake,
+            dedicated_engines=dedicated,
+            mean_reward=0.0,
+            loss=0.0,
+            tokens_per_s=float(current.sum()) / train_s,
+            response_len_mean=float(current.mean()),
+        )
+        history = telemetry.append_report(history, report)
+        t_s = resume_s
+        current = lengths
+        driver_view = (shared_target, dedicated_target)  # the driver reads status at the next sync
+        if settings is None:
+            continue
+        state = policy.RolloutState(
+            shared_engines_total=job.shared_engines_total,
+            shared_engines_awake=shared_target,
+            dedicated_engines=dedicated_target,
+            planned_dedicated_engines=job.planned_dedicated_engines,
+            idle_accelerators=job.total_accelerators - job.trainer_accelerators - len(ready_s) * tp,
+            accelerators_per_engine=tp,
+            last_action_time_s=last_action_s,
+        )
+        decision = policy.decide(state, history, settings, t_s)
+        if decision.action == "none":
+            continue
+        actions[decision.action] = actions.get(decision.action, 0) + 1
+        first_action = k if first_action is None else first_action
+        last_action_s = t_s
+        shared_target = decision.desired_shared_awake
+        while decision.desired_dedicated_engines > len(ready_s):
+            ready_s.append(t_s + job.pod_start_s)
+        del ready_s[decision.desired_dedicated_engines :]  # newest pods go first
+        dedicated_target = decision.desired_dedicated_engines
+
+    return RunResult(
+        trace=trace,
+        policy=policy_name,
+        steps=steps,
+        total_s=t_s,
+        steps_per_hour=steps * 3600.0 / t_s,
+        accelerator_hours=accel_s / 3600.0,
+        steps_per_accelerator_hour=steps * 3600.0 / accel_s,
+        mean_trainer_wait_fraction=waited_s / t_s,
+        actions=actions,
+        first_action_step=first_action,
+        max_dedicated_engines=max_dedicated,
+    )
+
+
+def run_bench(traces: Sequence[str], *, steps: int, seed: int) -> list[RunResult]:
+    return [simulate(t, p, steps=steps, seed=seed) for t in traces for p in POLICIES]
+
+
+def ratios(results: Sequence[RunResult]) -> dict[str, dict[str, float]]:
+    """Per trace: integrated's steps/hour over static's, static-max's and seed-snapshot's."""
+    out: dict[str, dict[str, float]] = {}
+    by = {(r.trace, r.policy): r for r in results}
+    for trace in dict.fromkeys(r.trace for r in results):
+        ours = by[(trace, "integrated")].steps_per_hour
+        out[trace] = {
+            f"integrated/{p}": ours / by[(trace, p)].steps_per_hour for p in POLICIES if p != "integrated"
+        }
+    return out
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    head = (
+        f"{'trace':<12} {'policy':<14} {'steps/h':>8} {'accel-h':>8} {'steps/accel-h':>13} "
+        f"{'wait':>6} {'maxDed':>6} {'first':>5}  actions"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        acts = ", ".join(f"{k}={v}" for k, v in sorted(r.actions.items())) or "-"
+        first = "-" if r.first_action_step is None else str(r.first_action_step)
+        lines.append(
+            f"{r.trace:<12} {r.policy:<14} {r.steps_per_hour:>8.2f} {r.accelerator_hours:>8.2f} "
+            f"{r.steps_per_accelerator_hour:>13.3f} {r.mean_trainer_wait_fraction * 100:>5.1f}% "
+            f"{r.max_dedicated_engines:>6} {first:>5}  {acts}"
+        )
+    lines.append("")
+    for trace, rs in ratios(results).items():
+        lines.append(f"{trace:<12} " + "  ".join(f"{k} = {v:.3f}x" for k, v in rs.items()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="append", choices=sorted(TRACES), help="default: all")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    results = run_bench(args.trace or list(TRACES), steps=args.steps, seed=args.seed)
+    if args.json:
+        print(json.dumps({"results": [asdict(r) for r in results], "ratios": ratios(results)}, indent=2))
+    else:
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
