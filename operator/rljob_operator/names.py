@@ -140,6 +140,6 @@ def parse_pod_name(job: str, name: str) -> tuple[str, int] | None:
     """Inverse of `pod_name`: `(role, index)` for a pod of `job`, or None when `name` is not one."""
     for role in (ROLE_TRAINER, ROLE_ROLLOUT):
         prefix = f"{job}-{role}-"
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            return role, int(name[len(prefix):])
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return role, int(name[len(prefix) :])
     return None

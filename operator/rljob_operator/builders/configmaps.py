@@ -1,0 +1,216 @@
+"""The job's ConfigMaps: `<job>-config` (trainer.json, docs/contracts.md §1) and `<job>-telemetry` (§3).
+
+Role: `render_trainer_config` maps an `RLJobSpec` + plan onto `rljob_trainer.config.TrainerConfig`
+(the trainer's own contract), `build_config_map` wraps it; `build_telemetry_config_map` makes the
+empty report history the driver later patches. Pure; called by `rljob_operator.handlers`.
+Spec choices this trainer image cannot run raise `errors.InvalidSpecError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+from rljob_trainer import config as tc
+from rljob_trainer import telemetry
+
+from rljob_operator import api, errors, names
+from rljob_operator.builders.common import JobRef
+
+# Mount points inside the pods of the volumes the trainer config refers to.
+MODEL_MOUNT_DIR = "/models"
+DATA_MOUNT_DIR = "/data"
+DATA_CONFIGMAP_MOUNT_DIR = "/etc/rljob-data"
+HF_TOKEN_ENV = "HF_TOKEN"
+
+_LOSS_AGG = {"sequenceMean": "seq-mean-token-mean", "tokenMean": "token-mean"}
+_DEVICE = {"cpu": "cpu", "nvidia": "cuda", "amd": "cuda", "ascend": "npu"}
+
+
+def _model_settings(spec: api.RLJobSpec, model_config: dict[str, Any] | None) -> dict[str, Any]:
+    m = spec.model
+    src = m.source
+    out: dict[str, Any] = {"name": m.name, "dtype": m.dtype, "finetune": m.finetune.mode}
+    if src.pvc is not None:
+        out.update(source="pvc", path=f"{MODEL_MOUNT_DIR}/{src.pvc.path.lstrip('/')}")
+    elif src.hub is not None:
+        out.update(
+            source="hub", hub_id=src.hub.id, hub_token_env=HF_TOKEN_ENV if src.hub.token_secret_ref else None
+        )
+    else:
+        if not model_config:
+            raise errors.InvalidSpecError(
+                "spec.model.config", "a tiny model is built from its config.json: set spec.model.config"
+            )
+        out.update(source="tiny", tokenizer="builtin-char")
+    if model_config:
+        out["hf_config"] = dict(model_config)
+    lora = m.finetune.lora
+    if lora.dropout >= 1.0:
+        raise errors.InvalidSpecError(
+            "spec.model.finetune.lora.dropout", "must be below 1.0 (1.0 drops every input)"
+        )
+    targets: list[str] | str = (
+        "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    )
+    out["lora"] = {
+        "rank": lora.rank,
+        "alpha": float(lora.alpha),
+        "dropout": lora.dropout,
+        "target_modules": targets,
+    }
+    return out
+
+
+def _data_settings(spec: api.RLJobSpec) -> dict[str, Any]:
+    d = spec.data
+    src = d.source
+    out: dict[str, Any] = {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
+    if src.builtin is not None:
+        out["builtin"] = src.builtin.name
+    elif src.pvc is not None:
+        out.update(builtin=None, path=f"{DATA_MOUNT_DIR}/{src.pvc.path.lstrip('/')}")
+    elif src.config_map_ref is not None:
+        out.update(builtin=None, path=f"{DATA_CONFIGMAP_MOUNT_DIR}/{src.config_map_ref.key}")
+    else:
+        raise errors.InvalidSpecError(
+            "spec.data.source.hub",
+            "this trainer image reads builtin, pvc or configMapRef data only: copy the dataset to a PVC "
+            "or a ConfigMap and set spec.data.source.pvc or .configMapRef",
+        )
+    return out
+
+
+def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, Any]:
+    res = spec.resources
+    tp = plan.tensor_parallel or 1
+    dedicated = plan.rollout_engines or 0
+    shared = plan.shared_engines or 0
+    if shared + dedicated < 1:
+        shared = 1  # rollout on the trainer accelerators: one colocated engine that sleeps in training
+    budget = max(0, res.total_accelerators - (plan.trainer_accelerators or 0)) // tp
+    max_dedicated = dedicated
+    if res.mode == "adaptive":
+        limit = res.adaptive.max_rollout_engines
+        max_dedicated = max(dedicated, budget if limit is None else min(limit, budget))
+    max_num_seqs = plan.max_num_seqs or res.rollout.max_num_seqs or 256
+    mnbt = plan.max_num_batched_tokens or res.rollout.max_num_batched_tokens or 8192
+    gpu = res.accelerator.kind != "cpu"
+    return {
+        "kind": "vllm" if gpu else "transformers",
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max(mnbt, max_num_seqs),
+        "gpu_memory_utilization": res.rollout.gpu_memory_utilization,
+        "tensor_parallel": tp,
+        "shared_engines": shared,
+        "dedicated_engines": dedicated,
+        "max_dedicated_engines": max_dedicated,
+        "engine_num_gpus": float(tp) if gpu else 0.0,
+    }
+
+
+def render_trainer_config(
+    spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None = None
+) -> tc.TrainerConfig:
+    """The trainer's configuration for `spec` under `plan` (`model_config`: the config.json used to plan).
+
+    Raises `errors.InvalidSpecError` for a spec this trainer image cannot run.
+    """
+    g = spec.grpo
+    if g.loss_normalization not in _LOSS_AGG:
+        raise errors.InvalidSpecError(
+            "spec.grpo.lossNormalization",
+            f"{g.loss_normalization} is not supported by this trainer image; "
+            f"use one of {', '.join(_LOSS_AGG)}",
+        )
+    b = spec.batching
+    gpu = spec.resources.accelerator.kind != "cpu"
+    rewards = []
+    for fn in spec.reward.functions:
+        item: dict[str, Any] = {"name": fn.name, "weight": fn.weight}
+        if fn.module is not None:
+            item.update(module=fn.module.import_path or fn.module.path, function=fn.module.function)
+        rewards.append(item)
+    data = {
+        "model": _model_settings(spec, model_config),
+        "lengths": {
+            "max_prompt_tokens": spec.lengths.max_prompt_tokens,
+            "max_response_tokens": spec.lengths.max_completion_tokens,
+        },
+        "grpo": {
+            "group_size": g.group_size,
+            "prompts_per_step": g.prompts_per_step,
+            "max_steps": g.max_steps,
+            "learning_rate": g.learning_rate,
+            "clip_low": g.clip_ratio_low,
+            "clip_high": g.clip_ratio_high,
+            "kl_coef": g.kl_coef,
+            "loss_agg": _LOSS_AGG[g.loss_normalization],
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "grad_clip": g.grad_clip if g.grad_clip > 0 else 1.0e12,
+            "seed": g.seed,
+        },
+        "batching": {
+            "packed": b.packing == "packed",
+            "dynamic": b.micro_batching == "dynamic",
+            "micro_batch_size": b.micro_batch_size,
+            "max_tokens_per_micro_batch": b.max_tokens_per_micro_batch or 8192,
+            "dp_balance": b.dp_balance,
+        },
+        "rollout": _rollout_settings(spec, plan),
+        "data": _data_settings(spec),
+        "rewards": rewards,
+        "checkpoint": {
+            "dir": spec.checkpoint.path,
+            "interval_steps": spec.checkpoint.interval_steps or g.max_steps,
+        },
+        "telemetry": {"enabled": True},
+        "distributed": {
+            "num_trainer_ranks": plan.trainer_accelerators or 1,
+            "device": _DEVICE[spec.resources.accelerator.kind],
+            "launcher": "ray",
+            "rank_num_gpus": 1.0 if gpu else 0.0,
+        },
+    }
+    try:
+        return tc.TrainerConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise errors.InvalidSpecError(
+            "spec", f"the rendered trainer config is invalid at {where}: {first['msg']}"
+        ) from exc
+
+
+def build_config_map(
+    job: JobRef, spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`<job>-config` with key `trainer.json` (camelCase JSON, exactly `rljob_trainer.config.dump_config`)."""
+    cfg = render_trainer_config(spec, plan, model_config)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": names.config_map_name(job.name),
+            "namespace": job.namespace,
+            "labels": names.object_labels(job.name, names.ROLE_CONFIG),
+        },
+        "data": {tc.CONFIGMAP_KEY: tc.dump_config(cfg)},
+    }
+
+
+def build_telemetry_config_map(job: JobRef) -> dict[str, Any]:
+    """`<job>-telemetry` with an empty report history; the driver is its only writer afterwards,
+    so the operator creates it once and never overwrites it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": names.telemetry_config_map_name(job.name),
+            "namespace": job.namespace,
+            "labels": names.object_labels(job.name, names.ROLE_TELEMETRY),
+        },
+        "data": {telemetry.REPORTS_KEY: json.dumps([])},
+    }

@@ -1,0 +1,265 @@
+"""Trainer and rollout pods: `<job>-trainer-<i>` (pod 0: Ray head + GRPO driver) and `<job>-rollout-<j>`.
+
+Role: pure builders of the pod dicts the handlers create. Everything a pod needs comes in as
+arguments: the job, the spec, the layout (counts and accelerator requests), the run attempt (the
+restart count, so pods of an older attempt are recognisable) and the config hash (so a changed
+trainer.json replaces the pods). The operator's labels are applied last, so user labels never
+override them; the template hash annotation lets the shell detect an out-of-date pod.
+
+Security: non-root, no privilege escalation, all capabilities dropped, seccomp RuntimeDefault.
+Rollout pods get no API token (they never call the API); trainer pods use the job's
+least-privilege ServiceAccount for telemetry (docs/contracts.md §3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljob_trainer import config as tc
+
+from rljob_operator import api, names
+from rljob_operator.builders import configmaps
+from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
+
+RUN_AS_USER = 1000
+CONFIG_VOLUME = "config"
+CHECKPOINT_VOLUME = "checkpoints"
+MODEL_VOLUME = "model"
+DATA_VOLUME = "data"
+TMP_VOLUME = "tmp"
+SHM_VOLUME = "dshm"
+RAY_DASHBOARD_PORT = 8265
+CPU_DEFAULT = "1"
+MEMORY_DEFAULT = "2Gi"
+
+
+def _env(job: JobRef, role: str, index: int, layout: JobLayout) -> list[dict[str, Any]]:
+    return [
+        {"name": tc.ENV_CONFIG_PATH, "value": f"{names.CONFIG_MOUNT_DIR}/{tc.CONFIGMAP_KEY}"},
+        {"name": tc.ENV_ROLE, "value": role},
+        {"name": tc.ENV_POD_INDEX, "value": str(index)},
+        {"name": tc.ENV_JOB_NAME, "value": job.name},
+        {"name": tc.ENV_NAMESPACE, "value": job.namespace},
+        {"name": tc.ENV_RAY_HEAD, "value": names.ray_head_host(job.name, job.namespace)},
+        {"name": tc.ENV_RAY_PORT, "value": str(tc.DEFAULT_RAY_PORT)},
+        {"name": tc.ENV_NUM_TRAINER_PODS, "value": str(layout.trainer_pods)},
+        {"name": tc.ENV_TELEMETRY_CONFIGMAP, "value": names.telemetry_config_map_name(job.name)},
+    ]
+
+
+def _resources(spec: api.RLJobSpec, accelerators: int) -> dict[str, Any]:
+    res = spec.resources
+    cpu_job = res.accelerator.kind == "cpu"
+    amounts: dict[str, Any] = {}
+    cpu = res.cpu if res.cpu is not None else (CPU_DEFAULT if cpu_job else None)
+    memory = res.memory if res.memory is not None else (MEMORY_DEFAULT if cpu_job else None)
+    if cpu is not None:
+        amounts["cpu"] = str(cpu)
+    if memory is not None:
+        amounts["memory"] = str(memory)
+    name = resource_name(spec)
+    if name is not None and accelerators > 0:
+        # Extended resources must have requests == limits; GPUs are never overcommitted.
+        amounts[name] = str(accelerators)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes(
+    job: JobRef, spec: api.RLJobSpec, role: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "configMap": {"name": names.config_map_name(job.name)}},
+        {"name": TMP_VOLUME, "emptyDir": {}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": TMP_VOLUME, "mountPath": "/tmp"},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    ]
+    if role == names.ROLE_TRAINER:
+        ckpt = spec.checkpoint.volume
+        if ckpt.claim_name is not None:
+            volumes.append(
+                {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+            )
+        else:
+            empty: dict[str, Any] = {}
+            if ckpt.empty_dir is not None and ckpt.empty_dir.size_limit is not None:
+                empty["sizeLimit"] = str(ckpt.empty_dir.size_limit)
+            volumes.append({"name": CHECKPOINT_VOLUME, "emptyDir": empty})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
+    model_pvc = spec.model.source.pvc
+    if model_pvc is not None:
+        volumes.append(
+            {
+                "name": MODEL_VOLUME,
+                "persistentVolumeClaim": {"claimName": model_pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": MODEL_VOLUME, "mountPath": configmaps.MODEL_MOUNT_DIR, "readOnly": True})
+    data_src = spec.data.source
+    if role == names.ROLE_TRAINER and data_src.pvc is not None:
+        volumes.append(
+            {
+                "name": DATA_VOLUME,
+                "persistentVolumeClaim": {"claimName": data_src.pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": DATA_VOLUME, "mountPath": configmaps.DATA_MOUNT_DIR, "readOnly": True})
+    elif role == names.ROLE_TRAINER and data_src.config_map_ref is not None:
+        volumes.append({"name": DATA_VOLUME, "configMap": {"name": data_src.config_map_ref.name}})
+        mounts.append(
+            {"name": DATA_VOLUME, "mountPath": configmaps.DATA_CONFIGMAP_MOUNT_DIR, "readOnly": True}
+        )
+    return volumes, mounts
+
+
+def _pool(spec: api.RLJobSpec, role: str) -> api.NodePoolSpec:
+    return spec.trainer_pool if role == names.ROLE_TRAINER else spec.rollout_pool
+
+
+def _build_pod(
+    job: JobRef,
+    spec: api.RLJobSpec,
+    layout: JobLayout,
+    role: str,
+    index: int,
+    accelerators: int,
+    attempt: int,
+    config_hash: str,
+) -> dict[str, Any]:
+    pool = _pool(spec, role)
+    name = names.pod_name(job.name, role, index)
+    volumes, mounts = _volumes(job, spec, role)
+    env = _env(job, role, index, layout)
+    hub = spec.model.source.hub
+    if hub is not None and hub.token_secret_ref is not None:
+        env.append(
+            {
+                "name": configmaps.HF_TOKEN_ENV,
+                "valueFrom": {
+                    "secretKeyRef": {"name": hub.token_secret_ref.name, "key": hub.token_secret_ref.key}
+                },
+            }
+        )
+    ports = [{"name": "ray-gcs", "containerPort": tc.DEFAULT_RAY_PORT, "protocol": "TCP"}]
+    if role == names.ROLE_TRAINER and index == 0:
+        ports.append({"name": "ray-dashboard", "containerPort": RAY_DASHBOARD_PORT, "protocol": "TCP"})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # the operator restarts the whole job from its checkpoint
+        "hostname": name,
+        "subdomain": names.service_name(job.name),
+        "serviceAccountName": names.service_account_name(job.name),
+        "automountServiceAccountToken": role == names.ROLE_TRAINER,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": role,
+                "image": spec.image.trainer,
+                "imagePullPolicy": spec.image.pull_policy,
+                "command": ["python", "-m", "rljob_trainer"],
+                "env": env,
+                "ports": ports,
+                "resources": _resources(spec, accelerators),
+                "volumeMounts": mounts,
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "privileged": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "runAsNonRoot": True,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        ],
+        "volumes": volumes,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = deep_copy(dict(pool.node_selector))
+    if pool.tolerations:
+        pod_spec["tolerations"] = [t.to_k8s() for t in pool.tolerations]
+    if pool.priority_class_name:
+        pod_spec["priorityClassName"] = pool.priority_class_name
+    if spec.image.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image.pull_secrets]
+    template_hash = content_hash({"spec": pod_spec, "config": config_hash})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": job.namespace,
+            "labels": names.pod_labels(job.name, role, index),
+            "annotations": {
+                names.ANNOTATION_ATTEMPT: str(attempt),
+                names.ANNOTATION_TEMPLATE_HASH: template_hash,
+            },
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_trainer_pod(
+    job: JobRef,
+    spec: api.RLJobSpec,
+    layout: JobLayout,
+    index: int,
+    *,
+    attempt: int = 0,
+    config_hash: str = "",
+) -> dict[str, Any]:
+    """Trainer pod `index` (0 hosts the Ray head and the GRPO driver), requesting
+    `layout.trainer_accelerators[index]` accelerators."""
+    if not 0 <= index < layout.trainer_pods:
+        raise ValueError(f"trainer pod index {index} is outside 0..{layout.trainer_pods - 1}")
+    return _build_pod(
+        job, spec, layout, names.ROLE_TRAINER, index, layout.trainer_accelerators[index], attempt, config_hash
+    )
+
+
+def build_rollout_pod(
+    job: JobRef,
+    spec: api.RLJobSpec,
+    layout: JobLayout,
+    index: int,
+    *,
+    attempt: int = 0,
+    config_hash: str = "",
+) -> dict[str, Any]:
+    """Dedicated rollout pod `index`: a Ray worker hosting dedicated engine `index`
+    (`layout.rollout_accelerators_per_pod` accelerators, one engine of tensorParallel)."""
+    if index < 0:
+        raise ValueError(f"rollout pod index must be >= 0, got {index}")
+    return _build_pod(
+        job,
+        spec,
+        layout,
+        names.ROLE_ROLLOUT,
+        index,
+        layout.rollout_accelerators_per_pod,
+        attempt,
+        config_hash,
+    )
+
+
+def build_pods(
+    job: JobRef, spec: api.RLJobSpec, layout: JobLayout, *, attempt: int = 0, config_hash: str = ""
+) -> list[dict[str, Any]]:
+    """Every desired pod in creation order: trainer 0..n-1 (head first), then rollout 0..m-1."""
+    trainers = [
+        build_trainer_pod(job, spec, layout, i, attempt=attempt, config_hash=config_hash)
+        for i in range(layout.trainer_pods)
+    ]
+    rollouts = [
+        build_rollout_pod(job, spec, layout, j, attempt=attempt, config_hash=config_hash)
+        for j in range(layout.rollout_pods)
+    ]
+    return trainers + rollouts
