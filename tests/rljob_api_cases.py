@@ -1,0 +1,243 @@
+"""Invalid RLJob manifests, shared by the unit tests (pydantic) and the cluster tests (apiserver).
+
+Role: one table of mistakes a user makes, each a small edit of `examples/tiny-cpu.yaml` with the
+field path the error must name. `tests/unit/test_api.py` checks that `RLJob.model_validate`
+refuses each one, and `tests/integration/test_api_cluster.py` that `kubectl apply` does, so the
+Python mirror of the schema and CEL rules cannot drift from what the apiserver enforces.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = REPO_ROOT / "examples"
+TINY_EXAMPLE = EXAMPLES_DIR / "tiny-cpu.yaml"
+
+_DELETE = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidCase:
+    """`edits` maps dotted paths under the manifest (list indexes as numbers) to new values."""
+
+    id: str
+    edits: dict[str, Any]
+    field: str  # the field path the error must name, as the apiserver writes it
+    message: str = ""  # a phrase of the rule's message that must appear too (CEL rules)
+    python: bool = True  # whether the pydantic models can see the mistake (metadata is not modelled)
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        out = copy.deepcopy(manifest)
+        for dotted, value in self.edits.items():
+            *parents, last = dotted.split(".")
+            node: Any = out
+            for key in parents:
+                node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+            if value is _DELETE:
+                del node[last]
+            elif isinstance(node, list):
+                node[int(last)] = value
+            else:
+                node[last] = value
+        return out
+
+
+DELETE = _DELETE
+
+INVALID_CASES: list[InvalidCase] = [
+    # wrong types
+    InvalidCase("type-groupSize-string", {"spec.grpo.groupSize": "eight"}, "spec.grpo.groupSize"),
+    InvalidCase(
+        "type-total-quoted-number",
+        {"spec.resources.totalAccelerators": "2"},
+        "spec.resources.totalAccelerators",
+    ),
+    InvalidCase("type-dpBalance-string", {"spec.batching.dpBalance": "yes"}, "spec.batching.dpBalance"),
+    InvalidCase(
+        "type-tolerations-object",
+        {"spec.trainerPool.tolerations": {"key": "x"}},
+        "spec.trainerPool.tolerations",
+    ),
+    # out of range, patterns, quantities
+    InvalidCase("range-groupSize-1", {"spec.grpo.groupSize": 1}, "spec.grpo.groupSize"),
+    InvalidCase(
+        "range-gpuMemoryUtilization",
+        {"spec.resources.rollout.gpuMemoryUtilization": 1.5},
+        "spec.resources.rollout.gpuMemoryUtilization",
+    ),
+    InvalidCase("range-topP-zero", {"spec.grpo.topP": 0}, "spec.grpo.topP"),
+    InvalidCase("range-learningRate-negative", {"spec.grpo.learningRate": -1.0e-5}, "spec.grpo.learningRate"),
+    InvalidCase(
+        "pattern-claimName",
+        {"spec.checkpoint.volume": {"claimName": "Bad_Name"}},
+        "spec.checkpoint.volume.claimName",
+    ),
+    InvalidCase("quantity-memory", {"spec.resources.memory": "lots"}, "spec.resources.memory"),
+    # unknown enum values
+    InvalidCase("enum-mode", {"spec.resources.mode": "elastic"}, "spec.resources.mode"),
+    InvalidCase("enum-packing", {"spec.batching.packing": "zip"}, "spec.batching.packing"),
+    InvalidCase(
+        "enum-accelerator-kind", {"spec.resources.accelerator.kind": "tpu"}, "spec.resources.accelerator.kind"
+    ),
+    InvalidCase(
+        "enum-builtin-dataset", {"spec.data.source.builtin.name": "mnist"}, "spec.data.source.builtin.name"
+    ),
+    InvalidCase(
+        "enum-reward-name", {"spec.reward.functions.0.name": "bleu"}, "spec.reward.functions[0].name"
+    ),
+    # missing required fields
+    InvalidCase("required-model", {"spec.model": DELETE}, "spec.model"),
+    InvalidCase(
+        "required-totalAccelerators",
+        {"spec.resources.totalAccelerators": DELETE},
+        "spec.resources.totalAccelerators",
+    ),
+    InvalidCase("required-model-name", {"spec.model.name": DELETE}, "spec.model.name"),
+    # unknown fields (kubectl's strict field validation names them; pydantic forbids extras)
+    InvalidCase("unknown-field-typo", {"spec.grpo.groupsize": 8}, "spec.grpo.groupsize"),
+    # every CEL rule
+    InvalidCase(
+        "cel-lengths-fit-maxModelLen",
+        {"spec.lengths.maxModelLen": 20},
+        "spec.lengths.maxModelLen",
+        "at least maxPromptTokens + maxCompletionTokens",
+    ),
+    InvalidCase(
+        "cel-static-needs-split",
+        {"spec.resources.static": DELETE},
+        "spec.resources.static",
+        "required when mode is static",
+    ),
+    InvalidCase(
+        "cel-per-node-divides-total",
+        {
+            "spec.resources.acceleratorsPerNode": 3,
+            "spec.resources.totalAccelerators": 4,
+            "spec.resources.static.trainerAccelerators": 4,
+        },
+        "spec.resources.acceleratorsPerNode",
+        "must divide totalAccelerators",
+    ),
+    InvalidCase(
+        "cel-tp-divides-per-node",
+        {"spec.resources.rollout": {"tensorParallel": 2}},
+        "spec.resources.rollout.tensorParallel",
+        "must divide acceleratorsPerNode",
+    ),
+    InvalidCase(
+        "cel-static-sum-within-total",
+        {"spec.resources.static.rolloutAccelerators": 1},
+        "spec.resources.static",
+        "must not exceed totalAccelerators",
+    ),
+    InvalidCase(
+        "cel-static-rollout-multiple-of-tp",
+        {
+            "spec.resources.totalAccelerators": 4,
+            "spec.resources.acceleratorsPerNode": 2,
+            "spec.resources.rollout": {"tensorParallel": 2},
+            "spec.resources.static": {"trainerAccelerators": 2, "rolloutAccelerators": 1},
+        },
+        "spec.resources.static.rolloutAccelerators",
+        "multiple of rollout.tensorParallel",
+    ),
+    InvalidCase(
+        "cel-batched-tokens-at-least-seqs",
+        {"spec.resources.rollout": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}},
+        "spec.resources.rollout.maxNumBatchedTokens",
+        "at least maxNumSeqs",
+    ),
+    InvalidCase(
+        "cel-model-source-exactly-one",
+        {"spec.model.source.hub": {"id": "Qwen/Qwen3-4B"}},
+        "spec.model.source",
+        "exactly one of pvc, hub or tiny",
+    ),
+    InvalidCase(
+        "cel-model-config-exactly-one",
+        {"spec.model.config.preset": "Qwen/Qwen3-4B"},
+        "spec.model.config",
+        "exactly one of preset, inline or configMapRef",
+    ),
+    InvalidCase(
+        "cel-data-source-exactly-one",
+        {"spec.data.source": {}},
+        "spec.data.source",
+        "exactly one of builtin, pvc, hub or configMapRef",
+    ),
+    InvalidCase(
+        "cel-dynamic-needs-token-budget",
+        {"spec.batching.maxTokensPerMicroBatch": DELETE},
+        "spec.batching.maxTokensPerMicroBatch",
+        "required when microBatching is dynamic",
+    ),
+    InvalidCase(
+        "cel-token-budget-fits-a-sample",
+        {"spec.batching.maxTokensPerMicroBatch": 16},
+        "spec.batching.maxTokensPerMicroBatch",
+        "longest sample must fit",
+    ),
+    InvalidCase(
+        "cel-reward-module-required",
+        {"spec.reward.functions.0": {"name": "module"}},
+        "spec.reward.functions[0].module",
+        "required when name is module",
+    ),
+    InvalidCase(
+        "cel-reward-module-path-or-import",
+        {"spec.reward.functions.0": {"name": "module", "module": {"path": "/r.py", "importPath": "r"}}},
+        "spec.reward.functions[0].module",
+        "exactly one of path or importPath",
+    ),
+    InvalidCase(
+        "cel-adaptive-scale-up-after-wake",
+        {
+            "spec.resources.adaptive": {
+                "wakeAfterPressuredSyncPoints": 5,
+                "scaleUpAfterPressuredSyncPoints": 4,
+            }
+        },
+        "spec.resources.adaptive.scaleUpAfterPressuredSyncPoints",
+        "at least wakeAfterPressuredSyncPoints",
+    ),
+    InvalidCase(
+        "cel-accelerator-model-required",
+        {"spec.resources.accelerator.kind": "nvidia"},
+        "spec.resources.accelerator.model",
+        "required unless kind is cpu",
+    ),
+    InvalidCase(
+        "cel-checkpoint-volume-exactly-one",
+        {"spec.checkpoint.volume": {"claimName": "ckpt", "emptyDir": {}}},
+        "spec.checkpoint.volume",
+        "exactly one of claimName or emptyDir",
+    ),
+    InvalidCase(
+        "cel-backoff-max-at-least-initial",
+        {"spec.restartPolicy.initialBackoffSeconds": 600, "spec.restartPolicy.maxBackoffSeconds": 60},
+        "spec.restartPolicy.maxBackoffSeconds",
+        "at least initialBackoffSeconds",
+    ),
+    InvalidCase(
+        "cel-metadata-name-length",
+        {"metadata.name": "a-very-long-rljob-name-that-leaves-no-room-for-pod-suffixes"},
+        "metadata.name",
+        "at most",
+        python=False,
+    ),
+]
+
+
+def pydantic_error_paths(exc: Exception) -> list[str]:
+    """`spec.reward.functions[0].module`-style paths and messages of a pydantic ValidationError."""
+    out: list[str] = []
+    for err in exc.errors():  # type: ignore[attr-defined]
+        path = ""
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        out.append(f"{path}: {err['msg']}")
+    return out
