@@ -1,0 +1,293 @@
+"""Unit tests for rljob_operator.builders: pure dicts with the right names, requests and security."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rljob_operator import api, builders, errors, names
+from rljob_operator.builders import configmaps, pods
+from rljob_trainer import config as tc
+
+JOB = builders.JobRef("demo", "team-a")
+
+
+def make_spec(**overrides: Any) -> api.RLJobSpec:
+    raw: dict[str, Any] = {
+        "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": {"model_type": "llama"}}},
+        "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
+        "resources": {
+            "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+            "totalAccelerators": 24,
+            "acceleratorsPerNode": 8,
+            "mode": "static",
+            "static": {"trainerAccelerators": 16, "rolloutAccelerators": 8},
+            "rollout": {"tensorParallel": 4},
+        },
+    }
+    for path, value in overrides.items():
+        node = raw
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return api.RLJobSpec.model_validate(raw)
+
+
+def all_objects(spec: api.RLJobSpec) -> list[dict[str, Any]]:
+    plan = builders.placeholder_static_plan(spec)
+    layout = builders.compute_layout(spec, plan)
+    return builders.build_pods(JOB, spec, layout)
+
+
+def test_layout_from_static_split() -> None:
+    spec = make_spec()
+    plan = builders.placeholder_static_plan(spec)
+    layout = builders.compute_layout(spec, plan)
+    assert layout.trainer_accelerators == (8, 8)
+    assert layout.rollout_pods == 2 and layout.rollout_accelerators_per_pod == 4
+    assert layout.idle_accelerators == 0
+    assert builders.compute_layout(spec, plan, dedicated_engines=0).idle_accelerators == 8
+
+
+def test_layout_partial_last_trainer_node_and_no_static_split() -> None:
+    spec = make_spec(**{"resources.mode": "estimate", "resources.static": None})
+    spec = api.RLJobSpec.model_validate(
+        {**spec.to_k8s(), "resources": {**spec.resources.to_k8s(), "mode": "estimate"}}
+    )
+    plan = builders.placeholder_static_plan(spec)
+    assert plan.trainer_accelerators == 8 and plan.rollout_engines == 4
+    odd = api.PlanStatus(trainer_accelerators=12, rollout_engines=0, tensor_parallel=1)
+    assert builders.compute_layout(spec, odd).trainer_accelerators == (8, 4)
+    with pytest.raises(ValueError, match="trainerAccelerators"):
+        builders.compute_layout(spec, api.PlanStatus(trainer_accelerators=0))
+
+
+def test_pods_have_contract_names_env_and_order() -> None:
+    objs = all_objects(make_spec())
+    assert [o["metadata"]["name"] for o in objs] == [
+        "demo-trainer-0",
+        "demo-trainer-1",
+        "demo-rollout-0",
+        "demo-rollout-1",
+    ]
+    head = objs[0]
+    env = {e["name"]: e["value"] for e in head["spec"]["containers"][0]["env"]}
+    assert set(env) == set(tc.ALL_ENV_VARS)
+    assert env[tc.ENV_RAY_HEAD] == "demo-trainer-0.demo.team-a.svc"
+    assert env[tc.ENV_NUM_TRAINER_PODS] == "2"
+    assert env[tc.ENV_ROLE] == "trainer" and env[tc.ENV_POD_INDEX] == "0"
+    assert env[tc.ENV_CONFIG_PATH] == "/etc/rljob/trainer.json"
+    assert env[tc.ENV_TELEMETRY_CONFIGMAP] == "demo-telemetry"
+    assert head["spec"]["hostname"] == "demo-trainer-0" and head["spec"]["subdomain"] == "demo"
+    mounts = {m["mountPath"]: m for m in head["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/etc/rljob"]["readOnly"] is True
+    assert "/checkpoints" in mounts
+    assert "/checkpoints" not in {m["mountPath"] for m in objs[-1]["spec"]["containers"][0]["volumeMounts"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "resource"),
+    [("nvidia", "nvidia.com/gpu"), ("ascend", "huawei.com/Ascend910"), ("amd", "amd.com/gpu"), ("cpu", None)],
+)
+def test_accelerator_resource_names(kind: str, resource: str | None) -> None:
+    model = None if kind == "cpu" else "H100-80GB"
+    spec = make_spec(**{"resources.accelerator": {"kind": kind, **({"model": model} if model else {})}})
+    trainer, rollout = all_objects(spec)[0], all_objects(spec)[-1]
+    for pod, amount in ((trainer, "8"), (rollout, "4")):
+        res = pod["spec"]["containers"][0]["resources"]
+        if resource is None:
+            assert not any("/" in k for k in res["requests"])
+            assert res["requests"] == {"cpu": "1", "memory": "2Gi"}
+        else:
+            assert res["requests"][resource] == amount == res["limits"][resource]
+            assert "cpu" not in res["requests"]
+
+
+def test_resource_name_override_and_cpu_memory() -> None:
+    spec = make_spec(
+        **{
+            "resources.accelerator": {
+                "kind": "nvidia",
+                "model": "H100-80GB",
+                "resourceName": "example.com/gpu",
+            },
+            "resources.cpu": "4",
+            "resources.memory": "64Gi",
+        }
+    )
+    res = all_objects(spec)[0]["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "4", "memory": "64Gi", "example.com/gpu": "8"}
+
+
+def test_security_context_is_locked_down() -> None:
+    for pod in all_objects(make_spec()):
+        psc = pod["spec"]["securityContext"]
+        csc = pod["spec"]["containers"][0]["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"] == {"drop": ["ALL"]}
+        assert pod["spec"]["restartPolicy"] == "Never"
+    trainer, rollout = all_objects(make_spec())[0], all_objects(make_spec())[-1]
+    assert trainer["spec"]["automountServiceAccountToken"] is True
+    assert rollout["spec"]["automountServiceAccountToken"] is False
+
+
+def test_pools_map_to_placement() -> None:
+    spec = make_spec(
+        trainerPool={
+            "nodeSelector": {"pool": "train"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "high",
+        },
+        rolloutPool={"nodeSelector": {"pool": "serve"}},
+    )
+    trainer, rollout = all_objects(spec)[0], all_objects(spec)[-1]
+    assert trainer["spec"]["nodeSelector"] == {"pool": "train"}
+    assert trainer["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert trainer["spec"]["priorityClassName"] == "high"
+    assert rollout["spec"]["nodeSelector"] == {"pool": "serve"}
+    assert "tolerations" not in rollout["spec"] and "priorityClassName" not in rollout["spec"]
+
+
+def test_labels_and_hash_are_deterministic_and_sensitive() -> None:
+    spec = make_spec()
+    a, b = all_objects(spec), all_objects(spec)
+    assert a == b
+    labels = a[2]["metadata"]["labels"]
+    assert labels == names.pod_labels("demo", "rollout", 0)
+    h = a[0]["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH]
+    other = all_objects(make_spec(image={"trainer": "example.com/trainer:2"}))
+    assert other[0]["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] != h
+    plan = builders.placeholder_static_plan(spec)
+    layout = builders.compute_layout(spec, plan)
+    changed = builders.build_trainer_pod(JOB, spec, layout, 0, config_hash="x")
+    assert changed["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] != h
+    attempt = builders.build_trainer_pod(JOB, spec, layout, 0, attempt=3)
+    assert attempt["metadata"]["annotations"][names.ANNOTATION_ATTEMPT] == "3"
+    assert attempt["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] == h
+
+
+def test_builders_do_not_mutate_input() -> None:
+    spec = make_spec(trainerPool={"nodeSelector": {"pool": "train"}})
+    before = copy.deepcopy(spec.to_k8s())
+    pod = all_objects(spec)[0]
+    pod["spec"]["nodeSelector"]["pool"] = "changed"
+    assert spec.to_k8s() == before
+
+
+def test_pod_index_bounds() -> None:
+    spec = make_spec()
+    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    with pytest.raises(ValueError, match="outside"):
+        builders.build_trainer_pod(JOB, spec, layout, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        builders.build_rollout_pod(JOB, spec, layout, -1)
+
+
+def test_volumes_for_pvc_sources_and_hub_token() -> None:
+    spec = make_spec(
+        model={
+            "name": "m",
+            "source": {"hub": {"id": "Qwen/Qwen3-4B", "tokenSecretRef": {"name": "hf", "key": "token"}}},
+            "config": {"preset": "Qwen/Qwen3-4B"},
+        },
+        data={"source": {"pvc": {"claimName": "data", "path": "train.jsonl"}}},
+        checkpoint={"volume": {"claimName": "ckpt"}, "path": "/ckpt"},
+    )
+    trainer = all_objects(spec)[0]
+    vols = {v["name"]: v for v in trainer["spec"]["volumes"]}
+    assert vols[pods.CHECKPOINT_VOLUME]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert vols[pods.DATA_VOLUME]["persistentVolumeClaim"]["claimName"] == "data"
+    env = {e["name"]: e for e in trainer["spec"]["containers"][0]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    pvc_model = make_spec(
+        model={"name": "m", "source": {"pvc": {"claimName": "w", "path": "/q"}}, "config": {"preset": "x"}}
+    )
+    vols = {v["name"]: v for v in all_objects(pvc_model)[-1]["spec"]["volumes"]}
+    assert vols[pods.MODEL_VOLUME]["persistentVolumeClaim"] == {"claimName": "w", "readOnly": True}
+    cm_data = make_spec(
+        data={"source": {"configMapRef": {"name": "prompts"}}},
+        checkpoint={"volume": {"emptyDir": {"sizeLimit": "1Gi"}}},
+    )
+    vols = {v["name"]: v for v in all_objects(cm_data)[0]["spec"]["volumes"]}
+    assert vols[pods.DATA_VOLUME]["configMap"] == {"name": "prompts"}
+    assert vols[pods.CHECKPOINT_VOLUME]["emptyDir"] == {"sizeLimit": "1Gi"}
+
+
+def test_service_and_rbac() -> None:
+    svc = builders.build_headless_service(JOB)
+    assert svc["metadata"]["name"] == "demo" and svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {names.LABEL_JOB: "demo", names.LABEL_ROLE: "trainer"}
+    role = builders.build_role("demo", "team-a")
+    rules = {(r["resources"][0], tuple(r["resourceNames"])): r["verbs"] for r in role["rules"]}
+    assert rules == {
+        ("configmaps", ("demo-telemetry",)): ["get", "patch", "update"],
+        ("configmaps", ("demo-config",)): ["get"],
+        ("rljobs", ("demo",)): ["get"],
+    }
+    binding = builders.build_role_binding("demo", "team-a")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo", "namespace": "team-a"}]
+    assert builders.build_service_account("demo", "team-a")["metadata"]["name"] == "demo"
+    cr = builders.build_operator_cluster_role()
+    assert any(r["resources"] == ["rljobs/status"] for r in cr["rules"])
+    crb = builders.build_operator_cluster_role_binding("op", "op-sa", "ops")
+    assert crb["subjects"][0] == {"kind": "ServiceAccount", "name": "op-sa", "namespace": "ops"}
+
+
+def test_config_map_renders_trainer_config() -> None:
+    spec = make_spec(**{"resources.mode": "adaptive", "resources.adaptive": {"maxRolloutEngines": 1}})
+    plan = builders.placeholder_static_plan(spec)
+    cm = builders.build_config_map(JOB, spec, plan, {"model_type": "llama"})
+    assert cm["metadata"]["name"] == "demo-config"
+    cfg = tc.parse_config(json.loads(cm["data"][tc.CONFIGMAP_KEY]))
+    assert cfg.model.source == "tiny" and cfg.model.hf_config == {"model_type": "llama"}
+    assert cfg.rollout.tensor_parallel == 4 and cfg.rollout.dedicated_engines == 2
+    assert cfg.rollout.max_dedicated_engines == 2  # never below the plan
+    assert cfg.distributed.num_trainer_ranks == 16 and cfg.distributed.device == "cuda"
+    assert cfg.data.builtin == "toy-arithmetic"
+    tele = builders.build_telemetry_config_map(JOB)
+    assert tele["metadata"]["name"] == "demo-telemetry" and json.loads(tele["data"]["reports.json"]) == []
+
+
+def test_config_rejects_what_the_trainer_cannot_run() -> None:
+    with pytest.raises(errors.InvalidSpecError, match="lossNormalization"):
+        builders.render_trainer_config(
+            make_spec(grpo={"lossNormalization": "sequenceSumNorm"}), api.PlanStatus(trainer_accelerators=8)
+        )
+    with pytest.raises(errors.InvalidSpecError, match="hub"):
+        builders.render_trainer_config(
+            make_spec(data={"source": {"hub": {"id": "openai/gsm8k"}}}),
+            api.PlanStatus(trainer_accelerators=8),
+            {"model_type": "llama"},
+        )
+    with pytest.raises(errors.InvalidSpecError, match="config"):
+        configmaps.render_trainer_config(make_spec(), api.PlanStatus(trainer_accelerators=8), None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    trainer_nodes=st.integers(1, 4),
+    rollout=st.integers(0, 16),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    dedicated=st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_layout_requests_never_exceed_plan(
+    trainer_nodes: int, rollout: int, tp: int, dedicated: int | None
+) -> None:
+    spec = make_spec(**{"resources.totalAccelerators": 64, "resources.rollout": {"tensorParallel": tp}})
+    plan = api.PlanStatus(
+        trainer_accelerators=trainer_nodes * 8 - 1, rollout_engines=rollout // tp, tensor_parallel=tp
+    )
+    layout = builders.compute_layout(spec, plan, dedicated)
+    objs = builders.build_pods(JOB, spec, layout)
+    gpus = sum(int(o["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"]) for o in objs)
+    assert gpus == layout.used_accelerators
+    assert sum(layout.trainer_accelerators) == plan.trainer_accelerators
+    assert all(0 < a <= 8 for a in layout.trainer_accelerators)
+    assert len({o["metadata"]["name"] for o in objs}) == len(objs)

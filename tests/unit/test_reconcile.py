@@ -1,0 +1,194 @@
+"""Unit tests for rljob_operator.reconcile: observations, outcomes, the pod diff, backoff, capacity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rljob_operator import api, builders, errors, names, reconcile
+from test_builders import JOB, make_spec
+
+
+def obs(
+    name: str, phase: str = "Running", attempt: int = 0, h: str = "", deleting: bool = False
+) -> reconcile.PodObservation:
+    role, index = names.parse_pod_name("demo", name) or ("trainer", 0)
+    return reconcile.PodObservation(name, role, index, phase, attempt, h, deleting=deleting)
+
+
+def desired(attempt: int = 0, dedicated: int | None = None) -> list[dict[str, Any]]:
+    spec = make_spec()
+    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec), dedicated)
+    return builders.build_pods(JOB, spec, layout, attempt=attempt)
+
+
+def observed_from(pods: list[dict[str, Any]], phase: str = "Running") -> list[reconcile.PodObservation]:
+    out = []
+    for p in pods:
+        o = reconcile.observe_pod({**p, "status": {"phase": phase}})
+        assert o is not None
+        out.append(o)
+    return out
+
+
+def test_observe_pod_reads_labels_annotations_and_exit_code() -> None:
+    pod = desired()[0]
+    pod = {
+        **pod,
+        "metadata": {**pod["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {**pod["spec"], "nodeName": "n1"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 3, "reason": "Error"}}}],
+        },
+    }
+    o = reconcile.observe_pod(pod)
+    assert o is not None
+    assert (o.name, o.role, o.index, o.phase, o.attempt) == ("demo-trainer-0", "trainer", 0, "Failed", 0)
+    assert o.exit_code == 3 and o.message == "Error" and o.deleting and o.node_name == "n1"
+    assert reconcile.observe_pod({"metadata": {"labels": {"app": "x"}}}) is None
+
+
+def test_observe_node() -> None:
+    node = {
+        "metadata": {"name": "n", "labels": {"a": "b"}},
+        "spec": {"taints": [{"key": "k", "value": "v", "effect": "NoSchedule"}]},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "8"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    n = reconcile.observe_node(node)
+    assert (
+        n.schedulable and n.taints == (("k", "v", "NoSchedule"),) and n.allocatable["nvidia.com/gpu"] == "8"
+    )
+    assert not reconcile.observe_node({**node, "spec": {"unschedulable": True}}).schedulable
+
+
+def test_assess_pods() -> None:
+    assert reconcile.assess_pods([obs("demo-trainer-0", "Succeeded")], 0).succeeded
+    assert not reconcile.assess_pods([obs("demo-trainer-1", "Succeeded")], 0).succeeded
+    failed = reconcile.assess_pods([obs("demo-rollout-1", "Failed"), obs("demo-trainer-1", "Failed")], 0)
+    assert failed.failed_pod is not None and failed.failed_pod.name == "demo-trainer-1"
+    assert reconcile.assess_pods([obs("demo-trainer-0", "Failed", attempt=0)], 1).failed_pod is None
+
+
+def test_backoff_doubles_and_caps() -> None:
+    rp = api.RestartPolicySpec(initial_backoff_seconds=10, max_backoff_seconds=35)
+    assert [reconcile.backoff_s(n, rp) for n in range(5)] == [0.0, 10.0, 20.0, 35.0, 35.0]
+    assert reconcile.backoff_s(10_000, rp) == 35.0
+
+
+def test_diff_creates_missing_in_index_order() -> None:
+    want = desired()
+    d = reconcile.diff_pods(want, [], 0)
+    assert [p["metadata"]["name"] for p in d.create] == [
+        "demo-trainer-0",
+        "demo-trainer-1",
+        "demo-rollout-0",
+        "demo-rollout-1",
+    ]
+    assert d.delete == () and d.waiting == ()
+    assert reconcile.diff_pods(want, observed_from(want), 0) == reconcile.PodDiff()
+
+
+def test_diff_stale_attempt_waits_for_termination() -> None:
+    old = observed_from(desired(attempt=0))
+    d = reconcile.diff_pods(desired(attempt=1), old, 1)
+    assert set(d.delete) == {p.name for p in old} and d.create == ()
+    assert set(d.waiting) == {p.name for p in old}
+    terminating = [reconcile.PodObservation(**{**p.__dict__, "deleting": True}) for p in old]
+    d2 = reconcile.diff_pods(desired(attempt=1), terminating, 1)
+    assert d2.delete == () and len(d2.waiting) == 4
+
+
+def test_diff_scale_down_and_up_of_rollout_pods() -> None:
+    current = observed_from(desired())
+    down = reconcile.diff_pods(desired(dedicated=1), current, 0)
+    assert down.delete == ("demo-rollout-1",) and down.create == ()
+    up = reconcile.diff_pods(desired(dedicated=3), current, 0)
+    assert [p["metadata"]["name"] for p in up.create] == ["demo-rollout-2"] and up.delete == ()
+
+
+def test_diff_template_change_replaces_the_trainer_gang() -> None:
+    want = desired()
+    current = observed_from(want)
+    outdated = reconcile.PodObservation(**{**current[1].__dict__, "template_hash": "old"})
+    stale = [outdated, current[0], *current[2:]]
+    d = reconcile.diff_pods(want, stale, 0)
+    assert set(d.delete) == {"demo-trainer-0", "demo-trainer-1"}
+
+
+def test_pods_to_stop() -> None:
+    pods = [obs("demo-trainer-0", "Succeeded"), obs("demo-rollout-0"), obs("demo-rollout-1", deleting=True)]
+    assert reconcile.pods_to_stop(pods, keep_finished=True) == ("demo-rollout-0",)
+    assert reconcile.pods_to_stop(pods, keep_finished=False) == ("demo-rollout-0", "demo-trainer-0")
+
+
+def node(
+    name: str, gpus: int, labels: dict[str, str] | None = None, taints: tuple[Any, ...] = ()
+) -> reconcile.NodeObservation:
+    return reconcile.NodeObservation(name, labels or {}, taints, {"nvidia.com/gpu": str(gpus)}, True)
+
+
+def test_capacity_fits_and_fails_with_a_message_naming_the_fix() -> None:
+    spec = make_spec()
+    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8), node("c", 8)])
+    with pytest.raises(errors.InsufficientCapacityError) as info:
+        reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8)])
+    assert info.value.field == "spec.rolloutPool" and "add nodes" in info.value.message
+    with pytest.raises(errors.InsufficientCapacityError, match="trainerPool"):
+        reconcile.check_capacity(spec, layout, [node("a", 4)] * 6)
+
+
+def test_capacity_respects_selectors_and_taints() -> None:
+    spec = make_spec(
+        trainerPool={"nodeSelector": {"pool": "t"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+    )
+    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec), 0)
+    tainted = (("gpu", "yes", "NoSchedule"),)
+    reconcile.check_capacity(
+        spec, layout, [node("a", 8, {"pool": "t"}, tainted), node("b", 8, {"pool": "t"})]
+    )
+    with pytest.raises(errors.InsufficientCapacityError):
+        reconcile.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "x"})])
+    untolerated = (("other", None, "NoExecute"),)
+    with pytest.raises(errors.InsufficientCapacityError):
+        reconcile.check_capacity(
+            spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "t"}, untolerated)]
+        )
+    soft = (("other", None, "PreferNoSchedule"),)
+    reconcile.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "t"}, soft)])
+
+
+def test_capacity_cpu_jobs_need_any_matching_node() -> None:
+    spec = make_spec(**{"resources.accelerator": {"kind": "cpu"}})
+    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    reconcile.check_capacity(spec, layout, [reconcile.NodeObservation("c", {}, (), {}, True)])
+    with pytest.raises(errors.InsufficientCapacityError, match="schedulable"):
+        reconcile.check_capacity(spec, layout, [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    present=st.lists(
+        st.sampled_from(
+            ["demo-trainer-0", "demo-trainer-1", "demo-rollout-0", "demo-rollout-1", "demo-rollout-5"]
+        ),
+        unique=True,
+    ),
+    attempt=st.integers(0, 2),
+    dedicated=st.integers(0, 3),
+)
+def test_diff_never_creates_a_name_that_exists(present: list[str], attempt: int, dedicated: int) -> None:
+    pods = [obs(n, attempt=attempt % 2) for n in present]
+    want = desired(attempt=attempt, dedicated=dedicated)
+    d = reconcile.diff_pods(want, pods, attempt)
+    created = {p["metadata"]["name"] for p in d.create}
+    assert not created & set(present)
+    assert created | set(d.waiting) | {p.name for p in pods if p.name not in d.delete} >= {
+        p["metadata"]["name"] for p in want
+    }

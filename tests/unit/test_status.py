@@ -1,0 +1,190 @@
+"""Unit tests for rljob_operator.status: every situation's phase and conditions, the reason table,
+transition times, change detection and the Event rate limit."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pydantic
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from rljob_operator import api, builders, errors, reconcile, status
+from rljob_operator.estimator.errors import EstimatorError
+from rljob_trainer.telemetry import SyncReport
+from test_builders import make_spec
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T1 = T0 + timedelta(seconds=30)
+SPEC = make_spec()
+PLAN = builders.placeholder_static_plan(SPEC)
+LAYOUT = builders.compute_layout(SPEC, PLAN)
+
+
+def pod(name: str, phase: str = "Running", role: str = "trainer", index: int = 0) -> reconcile.PodObservation:
+    return reconcile.PodObservation(name, role, index, phase, 0, "")
+
+
+ALL_RUNNING = [
+    pod("demo-trainer-0"),
+    pod("demo-trainer-1", index=1),
+    pod("demo-rollout-0", role="rollout"),
+    pod("demo-rollout-1", role="rollout", index=1),
+]
+
+
+def compute(
+    situation: status.Situation, old: api.RLJobStatus | None = None, now: datetime = T0, **kw: object
+) -> api.RLJobStatus:
+    args = {"spec": SPEC, "plan": PLAN, "layout": LAYOUT, **kw}
+    return status.compute_status(old or api.RLJobStatus(), situation, generation=3, now=now, **args)  # type: ignore[arg-type]
+
+
+def cond(st_: api.RLJobStatus, type_: str) -> api.Condition:
+    c = status.find(st_.conditions, type_)
+    assert c is not None, type_
+    return c
+
+
+def test_progressing_pending_then_running_keeps_transition_times() -> None:
+    pending = compute(status.Situation("progressing"), pods=ALL_RUNNING[:2])
+    assert pending.phase == "Pending" and pending.observed_generation == 3 and pending.start_time == T0
+    assert cond(pending, "Ready").reason == "PodsPending" and cond(pending, "Planned").status == "True"
+    running = compute(status.Situation("progressing"), old=pending, now=T1, pods=ALL_RUNNING)
+    assert running.phase == "Running" and cond(running, "Ready").status == "True"
+    assert cond(running, "Ready").last_transition_time == T1
+    assert cond(running, "Planned").last_transition_time == T0  # unchanged status keeps its time
+    assert running.start_time == T0
+    waiting = compute(status.Situation("progressing", waiting=("demo-trainer-0",)), pods=ALL_RUNNING)
+    assert waiting.phase == "Pending"
+    assert running.rollout is not None and running.rollout.dedicated_engines == 2
+    assert running.rollout.desired_dedicated_engines == 2 and running.rollout.engines_awake_total == "2/2"
+
+
+def test_errors_map_to_reasons_and_phases() -> None:
+    cases = [
+        (
+            errors.ModelConfigUnreadableError("spec.model.config.configMapRef", "missing"),
+            "ModelConfigUnreadable",
+            "Pending",
+        ),
+        (errors.InvalidSpecError("spec.grpo", "bad"), "InvalidSpec", "Failed"),
+        (errors.ModelDoesNotFitError("spec.resources", "too big"), "ModelDoesNotFit", "Failed"),
+        (EstimatorError("spec.model", "no fit", "ModelDoesNotFit"), "ModelDoesNotFit", "Failed"),
+        (RuntimeError("boom"), "ReconcileError", "Pending"),
+    ]
+    for exc, reason, phase in cases:
+        st_ = compute(status.Situation("error", error=exc), plan=None, layout=None)
+        assert st_.phase == phase, exc
+        assert cond(st_, "Planned").reason == reason and cond(st_, "Planned").status == "False"
+        assert (status.find(st_.conditions, "Failed") is not None) == (phase == "Failed")
+        assert status.reason_for(exc) == reason
+
+
+def test_insufficient_capacity_is_planned_but_not_ready() -> None:
+    exc = errors.InsufficientCapacityError("spec.trainerPool", "add nodes")
+    st_ = compute(status.Situation("error", error=exc))
+    assert st_.phase == "Pending"
+    assert cond(st_, "Planned").status == "True"
+    assert cond(st_, "Ready").reason == "InsufficientAccelerators"
+    assert "spec.trainerPool: add nodes" in cond(st_, "Ready").message
+
+
+def test_validation_error_message_names_fields() -> None:
+    with pytest.raises(pydantic.ValidationError) as info:
+        api.RLJobSpec.model_validate({"model": {}})
+    message = status.message_for(info.value)
+    assert message.startswith("spec.") and "fix the RLJob spec" in message
+    assert status.reason_for(info.value) == "InvalidSpec" and not status.is_retryable(info.value)
+    assert status.message_for(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_suspend_succeed_fail() -> None:
+    sus = compute(status.Situation("suspended"))
+    assert sus.phase == "Suspended" and cond(sus, "Suspended").status == "True"
+    resumed = compute(status.Situation("progressing"), old=sus, now=T1, pods=ALL_RUNNING)
+    assert (
+        cond(resumed, "Suspended").status == "False" and cond(resumed, "Suspended").last_transition_time == T1
+    )
+    ok = compute(status.Situation("succeeded"))
+    assert ok.phase == "Succeeded" and cond(ok, "Complete").status == "True" and ok.completion_time == T0
+    failed_pod = reconcile.PodObservation("demo-trainer-1", "trainer", 1, "Failed", 0, "", exit_code=2)
+    bad = compute(status.Situation("failed", failed_pod=failed_pod, restarts=3, backoff_limit_exceeded=True))
+    assert bad.phase == "Failed" and cond(bad, "Failed").reason == "BackoffLimitExceeded"
+    assert "exit code 2" in cond(bad, "Failed").message and "backoffLimit" in cond(bad, "Failed").message
+    never = status.compute_status(
+        api.RLJobStatus(),
+        status.Situation("failed", failed_pod=failed_pod),
+        generation=1,
+        now=T0,
+        spec=make_spec(restartPolicy={"policy": "Never"}),
+    )
+    assert cond(never, "Failed").reason == "PodFailed" and "OnFailure" in cond(never, "Failed").message
+
+
+def test_finished_keeps_everything_but_generation() -> None:
+    done = compute(status.Situation("succeeded"))
+    again = status.compute_status(done, status.Situation("finished"), generation=9, now=T1)
+    assert (
+        again.phase == "Succeeded" and again.observed_generation == 9 and again.conditions == done.conditions
+    )
+
+
+def test_backoff_transition_time_marks_each_failure() -> None:
+    failed_pod = reconcile.PodObservation("demo-trainer-0", "trainer", 0, "Failed", 0, "")
+    first = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=1))
+    assert first.phase == "Pending" and first.restarts == 1
+    assert status.restart_due_at(first) == T0
+    same = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=1), old=first, now=T1)
+    assert status.restart_due_at(same) == T0  # the same restart keeps its start
+    second = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=2), old=same, now=T1)
+    assert status.restart_due_at(second) == T1  # a new failure restarts the clock
+    recreated = compute(status.Situation("progressing", restarts=2), old=second, now=T1, pods=ALL_RUNNING)
+    assert (
+        status.restart_due_at(recreated) is None and cond(recreated, "Restarting").reason == "PodsRecreated"
+    )
+
+
+def test_progress_from_latest_report() -> None:
+    report = SyncReport(
+        step=7, time=T1.timestamp(), intervalS=10, trainerWaitS=1, generationS=5, trainingS=4,
+        inflightRequestSeconds=20, engineSeconds=10, snapshotInflight=0, sharedEnginesAwake=1,
+        dedicatedEngines=2, meanReward=0.5, loss=0.1, tokensPerS=100, responseLenMean=50,
+    )  # fmt: skip
+    st_ = compute(status.Situation("progressing"), pods=ALL_RUNNING, report=report)
+    assert (
+        st_.progress is not None and st_.progress.step == 7 and st_.progress.max_steps == SPEC.grpo.max_steps
+    )
+    assert st_.progress.last_sync_time == T1 and st_.progress.mean_reward == 0.5
+    assert st_.rollout is not None and st_.rollout.shared_engines_awake == 0  # plan has no shared engine
+
+
+def test_status_patch_only_when_changed() -> None:
+    new = compute(status.Situation("progressing"), pods=ALL_RUNNING)
+    assert status.status_patch(None, new) is not None
+    assert status.status_patch(new.to_k8s(), new) is None
+    again = compute(
+        status.Situation("progressing"),
+        old=api.RLJobStatus.model_validate(new.to_k8s()),
+        now=T1,
+        pods=ALL_RUNNING,
+    )
+    assert status.status_patch(new.to_k8s(), again) is None  # a quiet reconcile writes nothing
+    patch = status.status_patch({**new.to_k8s(), "completionTime": "2026-01-01T00:00:00Z"}, new)
+    assert patch is not None and patch["completionTime"] is None
+
+
+def test_transitions_and_event_types() -> None:
+    a = compute(status.Situation("progressing"), pods=ALL_RUNNING[:1])
+    b = compute(status.Situation("progressing"), old=a, now=T1, pods=ALL_RUNNING)
+    changed = status.transitions(a.conditions, b.conditions)
+    assert [c.type for c in changed] == ["Ready"]
+    assert status.event_type(changed[0]) == "Normal"
+    err = compute(status.Situation("error", error=errors.InvalidSpecError("spec", "x")))
+    assert status.event_type(cond(err, "Failed")) == "Warning"
+    assert status.event_type(cond(err, "Planned")) == "Warning"
+
+
+@given(st.one_of(st.none(), st.floats(0, 1000)), st.floats(0, 2000), st.floats(0.1, 100))
+def test_should_post(last: float | None, now: float, interval: float) -> None:
+    assert status.should_post(last, now, interval) == (last is None or now - last >= interval)
