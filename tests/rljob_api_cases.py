@@ -223,6 +223,24 @@ INVALID_CASES: list[InvalidCase] = [
         "at least initialBackoffSeconds",
     ),
     InvalidCase(
+        "cel-toleration-key-required",
+        {"spec.trainerPool.tolerations": [{"operator": "Equal", "value": "x"}]},
+        "spec.trainerPool.tolerations[0].key",
+        "key is required unless operator is Exists",
+    ),
+    InvalidCase(
+        "cel-toleration-exists-without-value",
+        {"spec.rolloutPool.tolerations": [{"key": "k", "operator": "Exists", "value": "x"}]},
+        "spec.rolloutPool.tolerations[0].value",
+        "value must be empty when operator is Exists",
+    ),
+    InvalidCase(
+        "cel-toleration-seconds-need-no-execute",
+        {"spec.trainerPool.tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]},
+        "spec.trainerPool.tolerations[0].tolerationSeconds",
+        "allowed only with effect NoExecute",
+    ),
+    InvalidCase(
         "cel-metadata-name-length",
         {"metadata.name": "a-very-long-rljob-name-that-leaves-no-room-for-pod-suffixes"},
         "metadata.name",
@@ -230,14 +248,3 @@ INVALID_CASES: list[InvalidCase] = [
         python=False,
     ),
 ]
-
-
-def pydantic_error_paths(exc: Exception) -> list[str]:
-    """`spec.reward.functions[0].module`-style paths and messages of a pydantic ValidationError."""
-    out: list[str] = []
-    for err in exc.errors():  # type: ignore[attr-defined]
-        path = ""
-        for part in err["loc"]:
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-        out.append(f"{path}: {err['msg']}")
-    return out

@@ -31,10 +31,12 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationError,
     WithJsonSchema,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 GROUP = "rljob.io"
 VERSION = "v1alpha1"
@@ -178,7 +180,11 @@ class _Model(BaseModel):
     def _check_cel_rules(self) -> Any:
         for rule in type(self).cel_rules:
             if not rule.check(self):
-                raise ValueError(rule.message)
+                # `field_path` rides in the error context so `describe_validation_error` can name the
+                # field below this object, as the apiserver does with the rule's fieldPath.
+                raise PydanticCustomError(
+                    "cel_rule", "{message}", {"message": rule.message, "field_path": rule.field_path or ""}
+                )
         return self
 
     def to_k8s(self) -> dict[str, Any]:
@@ -879,7 +885,31 @@ class ResourcesSpec(_Spec):
 # spec.trainerPool / rolloutPool, image, checkpoint, restartPolicy
 # --------------------------------------------------------------------------------------------
 class Toleration(_Spec):
-    """A Kubernetes pod toleration (same fields as core/v1 Toleration)."""
+    """A Kubernetes pod toleration (same fields and rules as core/v1 Toleration)."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="has(self.key) || self.operator == 'Exists'",
+            message="tolerations[].key is required unless operator is Exists (an empty key with Exists "
+            "tolerates every taint)",
+            field_path=".key",
+            reason="FieldValueRequired",
+            check=lambda s: s.key is not None or s.operator == "Exists",
+        ),
+        CelRule(
+            rule="self.operator != 'Exists' || !has(self.value)",
+            message="tolerations[].value must be empty when operator is Exists",
+            field_path=".value",
+            reason="FieldValueForbidden",
+            check=lambda s: s.operator != "Exists" or s.value is None,
+        ),
+        CelRule(
+            rule="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            message="tolerations[].tolerationSeconds is allowed only with effect NoExecute",
+            field_path=".tolerationSeconds",
+            check=lambda s: s.toleration_seconds is None or s.effect == "NoExecute",
+        ),
+    )
 
     key: str | None = Field(
         None, max_length=317, description="Taint key to tolerate; empty with operator Exists matches all."
@@ -1216,6 +1246,22 @@ class RLJob(_Model):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: RLJobSpec = Field(description="Desired state.")
     status: RLJobStatus | None = Field(None, description="Observed state.")
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> list[str]:
+    """One `path: message` line per error, with paths written like the apiserver's.
+
+    `prefix` is the path of what was validated (`"spec"` when the caller validated a spec alone).
+    Example: `spec.reward.functions[0].module: ... required when name is module ...`.
+    """
+    lines: list[str] = []
+    for err in exc.errors():
+        path = prefix
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        path += (err.get("ctx") or {}).get("field_path", "")
+        lines.append(f"{path or '<root>'}: {err['msg']}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------
