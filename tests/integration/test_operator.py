@@ -1,0 +1,537 @@
+"""The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler).
+
+Each test runs the kopf operator in-process (`kopf.testing.KopfRunner`) or as a subprocess (the
+crash test), applies RLJobs with `kubectl`, and checks what a user would check: pods with the
+right requests bound by the real scheduler to fake GPU nodes, owner references the garbage
+collector follows, status and conditions, restarts with backoff, suspend/resume, semantic errors,
+and adaptive decisions turned into rollout pods. Every test uses its own namespace and its own node
+pool label, so tests never see each other's nodes or jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+# Short intervals for tests; read once when rljob_operator.handlers is imported.
+os.environ.setdefault("RLJOB_RECONCILE_INTERVAL_S", "1")
+os.environ.setdefault("RLJOB_METRICS_PORT", "0")
+os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
+
+from kopf.testing import KopfRunner
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "rljobs.rljob.io.yaml"
+HANDLERS_MODULE = "rljob_operator.handlers"
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+}
+
+
+# ---- fixtures and helpers ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def crd(cluster: Any) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+
+
+@pytest.fixture
+def kubeconfig_env(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+
+
+@pytest.fixture
+def pool(cluster: Any) -> Callable[..., str]:
+    """Add fake GPU nodes labelled with a fresh pool name; returns the label value."""
+    added: list[str] = []
+
+    def make(count: int, per_node: int = 8, resource: str = "nvidia.com/gpu") -> str:
+        name = f"p{uuid.uuid4().hex[:6]}"
+        added.extend(
+            cluster.add_nodes(
+                count, name_prefix=name, resource=resource, per_node=per_node, labels={"pool": name}
+            )
+        )
+        return name
+
+    yield make
+    cluster.delete_nodes(added)
+
+
+@contextmanager
+def operator(namespace: str) -> Iterator[KopfRunner]:
+    args = ["run", "--standalone", "--namespace", namespace, "-m", HANDLERS_MODULE]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+
+
+def rljob(name: str, pool_name: str, **spec_overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": TINY_CONFIG}},
+        "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
+        "resources": {
+            "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+            "totalAccelerators": 24,
+            "acceleratorsPerNode": 8,
+            "mode": "static",
+            "static": {"trainerAccelerators": 16, "rolloutAccelerators": 8},
+            "rollout": {"tensorParallel": 8},
+        },
+        "trainerPool": {"nodeSelector": {"pool": pool_name}},
+        "rolloutPool": {"nodeSelector": {"pool": pool_name}},
+        "restartPolicy": {
+            "policy": "OnFailure",
+            "backoffLimit": 3,
+            "initialBackoffSeconds": 2,
+            "maxBackoffSeconds": 8,
+        },
+    }
+    spec.update(spec_overrides)
+    return {"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": spec}
+
+
+def apply(cluster: Any, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+
+
+def get_json(cluster: Any, namespace: str, *what: str) -> Any:
+    out = cluster.kubectl("get", "-n", namespace, *what, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def pods(cluster: Any, namespace: str, job: str) -> list[dict[str, Any]]:
+    data = get_json(cluster, namespace, "pods", "-l", f"rljob.io/job={job}")
+    return sorted(data["items"], key=lambda p: p["metadata"]["name"]) if data else []
+
+
+def job_status(cluster: Any, namespace: str, job: str) -> dict[str, Any]:
+    data = get_json(cluster, namespace, "rljob", job)
+    return (data or {}).get("status") or {}
+
+
+def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 60, interval_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {last!r}")
+
+
+def running_pods(cluster: Any, namespace: str, job: str, count: int) -> Callable[[], list[dict[str, Any]]]:
+    def check() -> list[dict[str, Any]]:
+        items = [p for p in pods(cluster, namespace, job) if not p["metadata"].get("deletionTimestamp")]
+        ok = len(items) == count and all(p.get("status", {}).get("phase") == "Running" for p in items)
+        return items if ok else []
+
+    return check
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+def test_rljob_becomes_placed_pods_with_owner_refs_and_status(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("demo", pool_name))
+        items = wait_for("3 running pods", running_pods(cluster, namespace, "demo", 3))
+        job = get_json(cluster, namespace, "rljob", "demo")
+        assert [p["metadata"]["name"] for p in items] == [
+            "demo-rollout-0",
+            "demo-trainer-0",
+            "demo-trainer-1",
+        ]
+        nodes = {p["spec"]["nodeName"] for p in items}
+        assert len(nodes) == 3 and all(n.startswith(pool_name) for n in nodes)  # bound by the real scheduler
+        for p in items:
+            res = p["spec"]["containers"][0]["resources"]
+            assert res["requests"]["nvidia.com/gpu"] == "8" == res["limits"]["nvidia.com/gpu"]
+            (ref,) = p["metadata"]["ownerReferences"]
+            assert ref["uid"] == job["metadata"]["uid"] and ref["controller"] is True
+            assert p["metadata"]["labels"]["rljob.io/job"] == "demo"
+        for kind, name in [
+            ("service", "demo"),
+            ("configmap", "demo-config"),
+            ("configmap", "demo-telemetry"),
+            ("serviceaccount", "demo"),
+            ("role", "demo"),
+            ("rolebinding", "demo"),
+        ]:
+            obj = get_json(cluster, namespace, kind, name)
+            assert obj is not None, (kind, name)
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+        config = json.loads(get_json(cluster, namespace, "configmap", "demo-config")["data"]["trainer.json"])
+        assert config["distributed"]["numTrainerRanks"] == 16
+        st = wait_for(
+            "phase Running",
+            lambda: (s := job_status(cluster, namespace, "demo")).get("phase") == "Running" and s,
+        )
+        assert condition(st, "Ready")["status"] == "True"
+        assert condition(st, "Planned")["status"] == "True"
+        assert st["observedGeneration"] == job["metadata"]["generation"]
+        assert st["plan"]["trainerAccelerators"] == 16 and st["rollout"]["enginesAwakeTotal"] == "1/1"
+        printed = cluster.kubectl("get", "rljobs", "-n", namespace).stdout
+        assert "Running" in printed and "demo" in printed
+        # Least privilege of the job's own ServiceAccount (docs/contracts.md §3).
+        sa = f"system:serviceaccount:{namespace}:demo"
+
+        def can(*args: str) -> str:
+            return cluster.kubectl(
+                "auth", "can-i", *args, "-n", namespace, "--as", sa, check=False
+            ).stdout.strip()
+
+        assert can("patch", "configmap/demo-telemetry") == "yes"
+        assert can("patch", "configmap/demo-config") == "no"
+        assert can("get", "rljobs.rljob.io/demo") == "yes"
+        assert can("list", "pods") == "no"
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str]
+) -> None:
+    pool_name = pool(6)
+    spec = rljob(
+        "crash",
+        pool_name,
+        resources={
+            "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+            "totalAccelerators": 48,
+            "acceleratorsPerNode": 8,
+            "mode": "static",
+            "static": {"trainerAccelerators": 32, "rolloutAccelerators": 16},
+            "rollout": {"tensorParallel": 8},
+        },
+    )
+    seen: dict[str, set[str]] = {}
+    stop = threading.Event()
+
+    def watch() -> None:  # every pod uid ever observed, by name
+        while not stop.is_set():
+            for p in pods(cluster, namespace, "crash"):
+                seen.setdefault(p["metadata"]["name"], set()).add(p["metadata"]["uid"])
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    env = dict(
+        os.environ, KUBECONFIG=str(cluster.kubeconfig), RLJOB_RECONCILE_INTERVAL_S="1", RLJOB_METRICS_PORT="0"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "kopf",
+        "run",
+        "--standalone",
+        "--namespace",
+        namespace,
+        "-m",
+        HANDLERS_MODULE,
+    ]
+    rng = random.Random(7)
+    apply(cluster, namespace, spec)
+    kills = 0
+    try:
+        for _ in range(5):
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(1.5, 5.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            kills += 1
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            items = wait_for(
+                "6 running pods after the crashes", running_pods(cluster, namespace, "crash", 6), 90
+            )
+            wait_for(
+                "phase Running", lambda: job_status(cluster, namespace, "crash").get("phase") == "Running"
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    assert kills == 5
+    names_ = [p["metadata"]["name"] for p in items]
+    assert names_ == sorted(["crash-trainer-0", "crash-trainer-1", "crash-trainer-2", "crash-trainer-3",
+                             "crash-rollout-0", "crash-rollout-1"])  # fmt: skip
+    # Each name was only ever held by one pod: nothing was created twice or needlessly replaced.
+    assert {n: len(u) for n, u in seen.items()} == dict.fromkeys(names_, 1)
+
+
+def test_suspend_resume_and_delete_through_the_garbage_collector(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("sus", pool_name))
+        wait_for("3 running pods", running_pods(cluster, namespace, "sus", 3))
+        cluster.kubectl(
+            "patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+        )
+        wait_for("pods gone", lambda: not pods(cluster, namespace, "sus"))
+        st = wait_for(
+            "Suspended",
+            lambda: (s := job_status(cluster, namespace, "sus")).get("phase") == "Suspended" and s,
+        )
+        assert condition(st, "Suspended")["status"] == "True"
+        assert get_json(cluster, namespace, "configmap", "sus-config") is not None  # the job is kept
+        cluster.kubectl(
+            "patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+        )
+        wait_for("pods back", running_pods(cluster, namespace, "sus", 3))
+        wait_for("Running", lambda: job_status(cluster, namespace, "sus").get("phase") == "Running")
+        cluster.kubectl("delete", "rljob", "sus", "-n", namespace, "--wait=false")
+        wait_for("RLJob gone", lambda: get_json(cluster, namespace, "rljob", "sus") is None, 60)
+    # The operator is stopped: only the garbage collector (owner references) can remove these now.
+    wait_for("pods collected", lambda: not pods(cluster, namespace, "sus"), 90)
+    wait_for("config collected", lambda: get_json(cluster, namespace, "configmap", "sus-config") is None, 90)
+
+
+def test_pod_failure_restarts_with_backoff_then_fails_at_the_limit(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(3)
+    spec = rljob(
+        "rst",
+        pool_name,
+        restartPolicy={
+            "policy": "OnFailure",
+            "backoffLimit": 1,
+            "initialBackoffSeconds": 3,
+            "maxBackoffSeconds": 8,
+        },
+    )
+    with operator(namespace):
+        apply(cluster, namespace, spec)
+        first = wait_for("3 running pods", running_pods(cluster, namespace, "rst", 3))
+        first_uids = {p["metadata"]["uid"] for p in first}
+        failed_at = time.monotonic()
+        cluster.fail_pod(namespace, "rst-trainer-1", exit_code=137)
+        st = wait_for(
+            "restart counted", lambda: (s := job_status(cluster, namespace, "rst")).get("restarts") == 1 and s
+        )
+        assert condition(st, "Restarting")["status"] == "True"
+        assert "rst-trainer-1" in condition(st, "Restarting")["message"]
+        second = wait_for("3 new running pods", running_pods(cluster, namespace, "rst", 3), 60)
+        waited = time.monotonic() - failed_at
+        assert not first_uids & {p["metadata"]["uid"] for p in second}  # the whole gang restarted
+        assert all(p["metadata"]["annotations"]["rljob.io/attempt"] == "1" for p in second)
+        assert waited >= 3.0, f"recreated after {waited:.1f}s, before the 3s backoff"
+        wait_for("Running again", lambda: job_status(cluster, namespace, "rst").get("phase") == "Running")
+        cluster.fail_pod(namespace, "rst-trainer-0", exit_code=1)
+        st = wait_for(
+            "Failed at the limit",
+            lambda: (s := job_status(cluster, namespace, "rst")).get("phase") == "Failed" and s,
+        )
+        assert condition(st, "Failed")["reason"] == "BackoffLimitExceeded"
+        assert "backoffLimit" in condition(st, "Failed")["message"]
+        wait_for("running pods stopped", lambda: all(
+            p.get("status", {}).get("phase") != "Running" or p["metadata"].get("deletionTimestamp")
+            for p in pods(cluster, namespace, "rst")
+        ))  # fmt: skip
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=rst"
+        ).stdout
+        assert "BackoffLimitExceeded" in events
+
+
+def test_success_then_ttl_deletes_the_job(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("ttl", pool_name, ttlSecondsAfterFinished=2))
+        wait_for("3 running pods", running_pods(cluster, namespace, "ttl", 3))
+        cluster.succeed_pod(namespace, "ttl-trainer-0")
+        st = wait_for(
+            "Succeeded",
+            lambda: (s := job_status(cluster, namespace, "ttl")).get("phase") == "Succeeded" and s,
+        )
+        assert condition(st, "Complete")["status"] == "True" and st.get("completionTime")
+        wait_for("deleted after its TTL", lambda: get_json(cluster, namespace, "rljob", "ttl") is None, 30)
+
+
+def test_semantic_errors_become_conditions_not_crash_loops(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(1)
+    with operator(namespace) as runner:
+        # 1. The model config lives in a ConfigMap that does not exist yet.
+        missing = rljob(
+            "cfg",
+            pool_name,
+            model={
+                "name": "tiny",
+                "source": {"tiny": {}},
+                "config": {"configMapRef": {"name": "tiny-config"}},
+            },
+            resources={
+                "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+                "totalAccelerators": 8,
+                "acceleratorsPerNode": 8,
+                "mode": "static",
+                "static": {"trainerAccelerators": 8, "rolloutAccelerators": 0},
+            },
+        )
+        apply(cluster, namespace, missing)
+        st = wait_for("ModelConfigUnreadable", lambda: (s := job_status(cluster, namespace, "cfg")) and
+                      condition(s, "Planned").get("reason") == "ModelConfigUnreadable" and s)  # fmt: skip
+        assert st["phase"] == "Pending"
+        message = condition(st, "Planned")["message"]
+        assert "spec.model.config.configMapRef" in message and "kubectl create configmap" in message
+        assert not pods(cluster, namespace, "cfg")
+        # Fixing it (creating the ConfigMap) is picked up without touching the job.
+        cluster.kubectl(
+            "create",
+            "configmap",
+            "tiny-config",
+            "-n",
+            namespace,
+            f"--from-literal=config.json={json.dumps(TINY_CONFIG)}",
+        )
+        wait_for("pod after the fix", running_pods(cluster, namespace, "cfg", 1), 60)
+
+        # 2. The pool cannot hold the plan: 3 nodes of 8 needed, 1 in the pool.
+        apply(cluster, namespace, rljob("big", pool_name))
+        st = wait_for("InsufficientAccelerators", lambda: (s := job_status(cluster, namespace, "big")) and
+                      condition(s, "Ready").get("reason") == "InsufficientAccelerators" and s)  # fmt: skip
+        assert st["phase"] == "Pending"
+        assert (
+            "spec.trainerPool" in condition(st, "Ready")["message"]
+            or "spec.rolloutPool" in condition(st, "Ready")["message"]
+        )
+        assert not pods(cluster, namespace, "big")
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=big"
+        ).stdout
+        assert "InsufficientAccelerators" in events
+        time.sleep(3)  # several timer ticks: still a condition, no crash, no pods
+        assert not pods(cluster, namespace, "big")
+    assert runner.exception is None
+
+
+def _report(step: int, t: float, *, pressured: bool, shared_awake: int, dedicated: int) -> dict[str, Any]:
+    wait, busy_s = (6.0, 80.0) if pressured else (0.0, 0.5)
+    return {
+        "step": step,
+        "time": t,
+        "intervalS": 10.0,
+        "trainerWaitS": wait,
+        "generationS": 8.0 if pressured else 0.2,
+        "trainingS": 4.0,
+        "inflightRequestSeconds": busy_s,
+        "engineSeconds": 10.0,
+        "snapshotInflight": 0,
+        "sharedEnginesAwake": shared_awake,
+        "dedicatedEngines": dedicated,
+        "meanReward": 0.1,
+        "loss": 0.5,
+        "tokensPerS": 1000.0,
+        "responseLenMean": 200.0,
+    }
+
+
+def test_adaptive_reports_wake_then_scale_up_then_back_down(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    pool_name = pool(2)
+    spec = rljob(
+        "ada",
+        pool_name,
+        resources={
+            "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+            "totalAccelerators": 16,
+            "acceleratorsPerNode": 8,
+            "mode": "adaptive",
+            "static": {"trainerAccelerators": 8, "rolloutAccelerators": 0},
+            "rollout": {"tensorParallel": 8},
+            "adaptive": {
+                "wakeAfterPressuredSyncPoints": 2,
+                "scaleUpAfterPressuredSyncPoints": 2,
+                "calmSyncPointsBeforeScaleDown": 2,
+                "cooldownSeconds": 0,
+            },
+        },
+    )
+    step = 0
+
+    def feed(pressured: bool, shared_awake: int, dedicated: int, count: int = 2) -> None:
+        nonlocal step
+        reports = []
+        for _ in range(count):
+            step += 1
+            reports.append(_report(step, time.time() + 1.5, pressured=pressured, shared_awake=shared_awake,
+                                   dedicated=dedicated))  # fmt: skip
+        patch = {"data": {"reports.json": json.dumps(reports)}}
+        cluster.kubectl(
+            "patch", "configmap", "ada-telemetry", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
+        )
+
+    def rollout(key: str) -> Any:
+        return (job_status(cluster, namespace, "ada").get("rollout") or {}).get(key)
+
+    with operator(namespace):
+        apply(cluster, namespace, spec)
+        wait_for("trainer running", running_pods(cluster, namespace, "ada", 1))
+        assert rollout("desiredSharedAwake") == 0 and rollout("desiredDedicatedEngines") == 0
+        time.sleep(2)
+        feed(pressured=True, shared_awake=0, dedicated=0)
+        wait_for("wake", lambda: rollout("desiredSharedAwake") == 1, 30)
+        assert rollout("lastDecision") == "WakeShared" and rollout("desiredDedicatedEngines") == 0
+        assert len(pods(cluster, namespace, "ada")) == 1  # waking costs no pod
+        time.sleep(2)
+        feed(pressured=True, shared_awake=1, dedicated=0)
+        wait_for("scale-up target", lambda: rollout("desiredDedicatedEngines") == 1, 30)
+        assert rollout("lastDecision") == "AddDedicated"
+        items = wait_for("rollout pod bound and running", running_pods(cluster, namespace, "ada", 2), 30)
+        new_pod = next(p for p in items if p["metadata"]["name"] == "ada-rollout-0")
+        assert new_pod["spec"]["nodeName"].startswith(pool_name)  # placed by the scheduler on the idle node
+        assert new_pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"
+        time.sleep(2)
+        feed(pressured=False, shared_awake=1, dedicated=1)
+        wait_for("scale-down target", lambda: rollout("desiredDedicatedEngines") == 0, 30)
+        assert rollout("lastDecision") == "RemoveDedicated"
+
+        def live() -> list[str]:
+            return [
+                p["metadata"]["name"]
+                for p in pods(cluster, namespace, "ada")
+                if not p["metadata"].get("deletionTimestamp")
+            ]
+
+        wait_for("rollout pod removed", lambda: live() == ["ada-trainer-0"])
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=ada"
+        ).stdout
+        assert "AdaptiveWakeShared" in events and "AdaptiveAddDedicated" in events
