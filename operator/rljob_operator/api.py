@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -160,6 +160,15 @@ def _add_cel_rules(schema: dict[str, Any], cls: type[Any]) -> None:
         schema["x-kubernetes-validations"] = [r.to_schema() for r in rules]
 
 
+def _plain(value: Any) -> Any:
+    """Deep copy of Mapping views as dicts (and of tuples as lists), for strict validation."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _count(*values: object) -> int:
     return sum(v is not None for v in values)
 
@@ -194,6 +203,12 @@ class _Model(BaseModel):
 
 class _Spec(_Model):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_mappings(cls, data: Any) -> Any:
+        # Strict mode takes only dicts; kopf hands over read-only Mapping views (kopf.Spec).
+        return _plain(data) if isinstance(data, Mapping) and not isinstance(data, dict) else data
 
 
 class _Status(_Model):

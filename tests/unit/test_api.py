@@ -10,6 +10,7 @@ every rule agree on random objects (evaluated with cel-python, when it is instal
 from __future__ import annotations
 
 import copy
+import types
 import typing
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -112,6 +113,17 @@ def test_spec_models_are_strict_like_the_apiserver() -> None:
     with pytest.raises(pydantic.ValidationError):
         api.GRPOSpec.model_validate({"groupSize": "8"})
     assert api.GRPOSpec.model_validate({"learningRate": 1}).learning_rate == 1.0
+
+
+def test_spec_accepts_read_only_mappings_like_kopf_spec() -> None:
+    spec = _load(cases.TINY_EXAMPLE)["spec"]
+
+    def freeze(value: Any) -> Any:
+        if isinstance(value, dict):
+            return types.MappingProxyType({k: freeze(v) for k, v in value.items()})
+        return value
+
+    assert api.RLJobSpec.model_validate(freeze(spec)) == api.RLJobSpec.model_validate(spec)
 
 
 def test_load_manifests_reads_exponent_floats_like_kubectl() -> None:
