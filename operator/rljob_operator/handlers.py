@@ -684,8 +684,11 @@ async def _write_status(
     patch = status.status_patch(ctx.old_raw, new)
     if patch is not None:
         await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch)
+        known = {c.type for c in ctx.old.conditions}
         for cond in status.transitions(ctx.old.conditions, new.conditions):
-            _post(ctx, status.event_type(cond), cond.reason, cond.message or f"{cond.type}={cond.status}")
+            kind = status.event_type(cond)
+            if cond.type in known or kind == "Warning":  # a condition's first Normal value is no news
+                _post(ctx, kind, cond.reason, cond.message or f"{cond.type}={cond.status}")
         if situation.kind == "error" and situation.error is not None:
             kopf.warn(
                 ctx.body,
