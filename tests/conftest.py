@@ -1,0 +1,46 @@
+"""Shared pytest fixtures: the real local control plane and namespaces on it.
+
+`cluster` (session scope) starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler
+built from the Kubernetes Go modules (see `tests/testenv/`), on free loopback ports in a private
+temporary folder, and always tears them down. Each xdist worker or parallel run gets its own.
+When a test that used the cluster fails, the components' log tails are attached to its report.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from testenv.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    if os.environ.get("RLJOB_SKIP_CLUSTER") == "1":
+        pytest.skip("RLJOB_SKIP_CLUSTER=1")
+    local = LocalCluster.create()
+    with local:
+        yield local
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""
+    base = "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    cluster.create_namespace(name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if report.failed and "cluster" in getattr(item, "fixturenames", ()):
+        local = item.funcargs.get("cluster") if hasattr(item, "funcargs") else None
+        if isinstance(local, LocalCluster):
+            report.sections.append(("control plane logs", local.logs()))
+    return report
