@@ -1,0 +1,127 @@
+"""`python -m rljob_trainer`: the entrypoint every pod of an RLJob runs.
+
+Role: read the role from the environment the operator sets (docs/contracts.md §2) and become
+  - trainer pod 0: the Ray head plus the GRPO driver (`rljob_trainer.driver`);
+  - trainer pod i > 0: a Ray worker (`ray start --address=$RLJOB_RAY_HEAD:$RLJOB_RAY_PORT --block`)
+    that hosts training ranks (and shared engines);
+  - rollout pod j: a Ray worker advertising the custom resource `rljob_rollout_<j>` so the driver
+    pins dedicated engine j there.
+Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
+`--local` skips Ray altogether (one rank, same driver code). Callers: the pod command, tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from rljob_trainer import config as config_mod
+
+log = logging.getLogger("rljob_trainer")
+
+
+def ray_worker_command(env: Mapping[str, str], role: str, pod_index: int, ray_bin: str = "ray") -> list[str]:
+    """The `ray start` command of a non-driver pod (pure: env in, argv out)."""
+    head = env.get(config_mod.ENV_RAY_HEAD)
+    if not head:
+        raise ValueError(f"{config_mod.ENV_RAY_HEAD} is required for role {role!r} pod {pod_index}")
+    port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
+    cmd = [ray_bin, "start", f"--address={head}:{port}", "--block"]
+    if role == config_mod.ROLE_ROLLOUT:
+        cmd.append("--resources=" + json.dumps({config_mod.rollout_resource_name(pod_index): 1}))
+    return cmd
+
+
+def _ray_bin() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "ray")
+    return here if os.path.exists(here) else (shutil.which("ray") or "ray")
+
+
+def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], local_rollout_pods: int) -> None:
+    import ray
+
+    if env.get(config_mod.ENV_RAY_HEAD):
+        # In the cluster: a real head other pods join; this process then attaches as the driver.
+        port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
+        subprocess.run(
+            [_ray_bin(), "start", "--head", f"--port={port}", "--dashboard-host=0.0.0.0"], check=True
+        )
+        ray.init(address="auto")
+    else:
+        # Laptop/tests: a private instance; simulated rollout pods are custom resources on it.
+        resources = {config_mod.rollout_resource_name(j): 1 for j in range(local_rollout_pods)}
+        d, r = cfg.distributed, cfg.rollout
+        num_cpus = (
+            int(
+                d.num_trainer_ranks * d.rank_num_cpus
+                + (r.shared_engines + local_rollout_pods) * r.engine_num_cpus
+            )
+            + 1
+        )
+        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rljob_trainer", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--config",
+        help=f"trainer.json (default ${config_mod.ENV_CONFIG_PATH} or {config_mod.DEFAULT_CONFIG_PATH})",
+    )
+    p.add_argument("--local", action="store_true", help="no Ray: one rank and the engines in this process")
+    p.add_argument("--metrics-jsonl", help="append one JSON line of metrics per step here")
+    p.add_argument("--max-steps", type=int, help="stop after this step (default grpo.maxSteps)")
+    p.add_argument(
+        "--local-rollout-pods",
+        type=int,
+        default=None,
+        help="without a cluster: rollout pods to simulate (default rollout.dedicatedEngines)",
+    )
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = os.environ
+    role = env.get(config_mod.ENV_ROLE, config_mod.ROLE_TRAINER)
+    pod_index = int(env.get(config_mod.ENV_POD_INDEX, "0"))
+    if role not in config_mod.ROLES:
+        p.error(f"{config_mod.ENV_ROLE}={role!r}; valid: {', '.join(config_mod.ROLES)}")
+    if role == config_mod.ROLE_ROLLOUT or pod_index > 0:
+        cmd = ray_worker_command(env, role, pod_index, _ray_bin())
+        log.info("joining the Ray cluster: %s", " ".join(cmd))
+        os.execv(cmd[0], cmd)
+
+    cfg = config_mod.load_config(
+        args.config or env.get(config_mod.ENV_CONFIG_PATH, config_mod.DEFAULT_CONFIG_PATH)
+    )
+    from rljob_trainer import driver, telemetry_sink
+
+    t = cfg.telemetry
+    sink = telemetry_sink.TelemetrySink(
+        enabled=t.enabled,
+        job_name=t.job_name or env.get(config_mod.ENV_JOB_NAME),
+        namespace=t.namespace or env.get(config_mod.ENV_NAMESPACE),
+        configmap_name=t.configmap_name or env.get(config_mod.ENV_TELEMETRY_CONFIGMAP),
+        prometheus_port=t.prometheus_port,
+    )
+    local = args.local or cfg.distributed.launcher == "local"
+    if local:
+        runtime: driver.Runtime = driver.LocalRuntime(cfg)
+    else:
+        pods = cfg.rollout.dedicated_engines if args.local_rollout_pods is None else args.local_rollout_pods
+        _start_ray_driver(cfg, env, pods)
+        runtime = driver.RayRuntime(cfg)
+    d = driver.GRPODriver(cfg, runtime, sink=sink, metrics_path=args.metrics_jsonl)
+    try:
+        d.run(args.max_steps)
+    finally:
+        d.shutdown()
+    log.info("done at step %s", d.state.step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

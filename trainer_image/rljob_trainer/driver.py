@@ -1,0 +1,545 @@
+"""The GRPO driver: places training ranks and rollout engines, and runs the step loop.
+
+Role: on trainer pod 0 (inside the Ray head), or in one process in local mode, the driver
+  1. places `num_trainer_ranks` training ranks (`trainer.TrainingRank`) and rollout engines
+     (`engines.build_engine`) through a runtime: `RayRuntime` (Ray actors; a dedicated engine j is
+     pinned to rollout pod j by the Ray custom resource `rljob_rollout_<j>` that pod advertises) or
+     `LocalRuntime` (same objects, called in-process; one rank);
+  2. per step: samples prompts (resumable sampler), dispatches `prompts × group` requests to the
+     awake engines through the `dispatcher.Dispatcher` it owns, scores rewards, computes
+     group-normalised advantages, DP-balances each mini-batch (`dp_balance.plan_dp_balance`, same
+     micro-batch planner the ranks execute) and trains;
+  3. at the sync point: pushes the new weights into every engine in place, closes the dispatcher's
+     interval into a `telemetry.SyncReport`, publishes it (logs, Prometheus, ConfigMap), reads the
+     desired engine counts back and wakes/sleeps shared engines and adds/drops dedicated ones;
+  4. checkpoints every `checkpoint.interval_steps` and resumes from the latest checkpoint.
+Callers: `rljob_trainer.__main__`, integration tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rljob_trainer import (
+    algos,
+    checkpoint,
+    data,
+    dispatcher,
+    dp_balance,
+    engines,
+    modeling,
+    rewards,
+    telemetry,
+    telemetry_sink,
+    trainer,
+)
+from rljob_trainer import config as config_mod
+from rljob_trainer.engines import base
+
+log = logging.getLogger("rljob_trainer.driver")
+
+
+# ---- hosts and runtimes ------------------------------------------------------------------------
+class Host:
+    """A training rank or an engine behind one `call(method, *args)` door (a Ray actor class too)."""
+
+    def __init__(self, kind: str, cfg: config_mod.TrainerConfig, **kwargs: Any) -> None:
+        import torch
+
+        threads = cfg.distributed.torch_threads_per_rank
+        if threads:
+            torch.set_num_threads(threads)
+        if kind == "rank":
+            self.obj: Any = trainer.TrainingRank(cfg, kwargs["rank"], kwargs["world_size"])
+        elif kind == "engine":
+            self.obj = engines.build_engine(cfg, name=kwargs["name"], colocated=kwargs["colocated"])
+        else:
+            raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine")
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.obj, method)(*args)
+
+
+@dataclass(eq=False)
+class _Done:
+    """A finished local call (hashable by identity, like a Ray ObjectRef)."""
+
+    value: Any
+
+
+class LocalRuntime:
+    """Everything in this process: one training rank, engines as plain objects (fast tests, debugging)."""
+
+    kind = "local"
+
+    def __init__(self, cfg: config_mod.TrainerConfig) -> None:
+        if cfg.distributed.num_trainer_ranks != 1:
+            raise ValueError(
+                "local mode runs one training rank; set distributed.numTrainerRanks to 1 or use "
+                "distributed.launcher 'ray'"
+            )
+        self.cfg = cfg
+
+    def create_ranks(self, world_size: int) -> list[Any]:
+        return [Host("rank", self.cfg, rank=0, world_size=world_size)]
+
+    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
+        del pod_index
+        return Host("engine", self.cfg, name=name, colocated=colocated)
+
+    def submit(self, handle: Any, method: str, *args: Any) -> Any:
+        return _Done(handle.call(method, *args))
+
+    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
+        return list(futures)
+
+    def get(self, futures: Any) -> Any:
+        if isinstance(futures, list):
+            return [f.value for f in futures]
+        return futures.value
+
+    def rollout_pods(self) -> list[int]:
+        return list(range(self.cfg.rollout.max_dedicated_engines))
+
+    def kill(self, handle: Any) -> None:
+        del handle
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayRuntime:
+    """Ranks and engines as Ray actors on the cluster trainer pod 0 heads."""
+
+    kind = "ray"
+
+    def __init__(self, cfg: config_mod.TrainerConfig) -> None:
+        import ray
+
+        self.cfg = cfg
+        self._ray = ray
+        self._host_cls = ray.remote(Host)
+
+    def create_ranks(self, world_size: int) -> list[Any]:
+        d = self.cfg.distributed
+        opts = {"num_cpus": d.rank_num_cpus, "num_gpus": d.rank_num_gpus}
+        return [
+            self._host_cls.options(**opts).remote("rank", self.cfg, rank=r, world_size=world_size)
+            for r in range(world_size)
+        ]
+
+    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
+        r = self.cfg.rollout
+        opts: dict[str, Any] = {"num_cpus": r.engine_num_cpus, "num_gpus": r.engine_num_gpus}
+        if pod_index is not None:
+            opts["resources"] = {config_mod.rollout_resource_name(pod_index): 1}
+        return self._host_cls.options(**opts).remote("engine", self.cfg, name=name, colocated=colocated)
+
+    def submit(self, handle: Any, method: str, *args: Any) -> Any:
+        return handle.call.remote(method, *args)
+
+    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
+        done, _ = self._ray.wait(list(futures), num_returns=1)
+        return done
+
+    def get(self, futures: Any) -> Any:
+        return self._ray.get(futures)
+
+    def rollout_pods(self) -> list[int]:
+        """Rollout pods that have joined the cluster (they advertise `rljob_rollout_<j>`)."""
+        prefix = config_mod.ROLLOUT_RESOURCE_PREFIX
+        pods = []
+        for key in self._ray.cluster_resources():
+            if key.startswith(prefix) and key[len(prefix) :].isdigit():
+                pods.append(int(key[len(prefix) :]))
+        return sorted(pods)
+
+    def kill(self, handle: Any) -> None:
+        self._ray.kill(handle)
+
+    def shutdown(self) -> None:
+        pass
+
+
+Runtime = LocalRuntime | RayRuntime
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """Sampling seed of request `index` at `step`: a function of (seed, step, index) only, so a resumed
+    job draws the same samples as an uninterrupted one."""
+    return (seed * 1_000_003 + step * 100_003 + index) % (2**31 - 1)
+
+
+def split_mini_batches(n: int, count: int) -> list[list[int]]:
+    """Contiguous index ranges of `count` equal mini-batches (n divisible by count, checked in config)."""
+    size = n // count
+    return [list(range(i * size, (i + 1) * size)) for i in range(count)]
+
+
+def shard_for_ranks(
+    lengths: Sequence[int], dp_size: int, *, spec: Any, cost: Any, enabled: bool
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Indices each rank trains on, and the `dp_balance/*` metrics.
+
+    Divisible batches go through `plan_dp_balance` (identity when disabled or not better);
+    otherwise contiguous slices, the first n % P ranks one larger (what the planner assumes).
+    """
+    n = len(lengths)
+    if enabled and n % dp_size == 0 and n > 0:
+        plan = dp_balance.plan_dp_balance(lengths, dp_size, micro_batch=spec, cost=cost)
+        return [plan.rank_indices(r) for r in range(dp_size)], dict(plan.metrics)
+    sizes = trainer.split_evenly(n, dp_size)
+    out, start = [], 0
+    for s in sizes:
+        out.append(list(range(start, start + s)))
+        start += s
+    return out, {}
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+@dataclass
+class _Engine:
+    name: str
+    handle: Any
+    colocated: bool
+    pod_index: int | None
+    awake: bool = True
+
+
+@dataclass
+class DriverState:
+    step: int = 0
+    sampler: data.SamplerState = field(default_factory=data.SamplerState)
+    history: list[telemetry.SyncReport] = field(default_factory=list)
+
+
+class GRPODriver:
+    def __init__(
+        self,
+        cfg: config_mod.TrainerConfig,
+        runtime: Runtime,
+        *,
+        sink: telemetry_sink.TelemetrySink | None = None,
+        metrics_path: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.rt = runtime
+        self.sink = sink
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.tokenizer = modeling.load_tokenizer(cfg.model)
+        self.examples = data.load_examples(cfg.data)
+        self.reward_fn = rewards.build_reward_fn(cfg.rewards)
+        self.adv_fn = algos.get_adv_estimator(cfg.grpo.adv_estimator)
+        self.spec = trainer.micro_batch_spec(cfg.batching)
+        hf = cfg.model.hf_config
+        self.cost = dp_balance.CostModel.from_hf_config(hf) if hf else None
+        self.dispatcher = dispatcher.Dispatcher(clock)
+        self.state = DriverState()
+        self.ranks: list[Any] = []
+        self.engines: dict[str, _Engine] = {}
+        self.shared_awake_target = cfg.rollout.shared_engines if cfg.rollout.dedicated_engines == 0 else 0
+        self.dedicated_target = cfg.rollout.dedicated_engines
+        self._last_sync = clock()
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        world = self.cfg.distributed.num_trainer_ranks
+        self.ranks = self.rt.create_ranks(world)
+        addr, port = self.rt.get(self.rt.submit(self.ranks[0], "node_address"))
+        infos = self.rt.get([self.rt.submit(r, "setup", addr, port) for r in self.ranks])
+        log.info("training ranks ready: %s", infos)
+        for i in range(self.cfg.rollout.shared_engines):
+            self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
+        self._reconcile_dedicated()
+        self._resume()
+        self._sync_weights()
+        self._apply_shared_sleep(generating=False)
+        self._last_sync = self.clock()
+        self.dispatcher.close_interval()
+
+    def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
+        handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
+        self.rt.get(self.rt.submit(handle, "load"))
+        self.engines[name] = _Engine(name, handle, colocated, pod_index)
+        self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
+        log.info("engine %s up (colocated=%s, pod=%s)", name, colocated, pod_index)
+
+    def _drop_engine(self, name: str) -> None:
+        eng = self.engines.pop(name)
+        self.dispatcher.remove_engine(name)
+        self.rt.kill(eng.handle)
+        log.info("engine %s dropped", name)
+
+    def _reconcile_dedicated(self) -> None:
+        """Add dedicated engines on joined rollout pods up to the target; drop the highest above it."""
+        target = min(self.dedicated_target, self.cfg.rollout.max_dedicated_engines)
+        have = sorted(
+            e.pod_index for e in self.engines.values() if not e.colocated and e.pod_index is not None
+        )
+        for j in have[target:]:
+            self._drop_engine(f"dedicated-{j}")
+        have = have[:target]
+        for j in self.rt.rollout_pods():
+            if len(have) >= target:
+                break
+            if j not in have:
+                self._add_engine(f"dedicated-{j}", colocated=False, pod_index=j)
+                self._update_engine_weights([f"dedicated-{j}"])
+                have.append(j)
+
+    def _apply_shared_sleep(self, *, generating: bool) -> None:
+        """Shared engines are awake only while generating, and only as many as the target (or all
+        when there is no dedicated engine)."""
+        shared = sorted(n for n, e in self.engines.items() if e.colocated)
+        dedicated_up = any(not e.colocated for e in self.engines.values())
+        want = self.shared_awake_target if dedicated_up else len(shared)
+        futures, names = [], []
+        for i, name in enumerate(shared):
+            awake = generating and i < want
+            eng = self.engines[name]
+            if eng.awake != awake:
+                futures.append(self.rt.submit(eng.handle, "wake" if awake else "sleep"))
+                names.append(name)
+                eng.awake = awake
+                self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
+        self.rt.get(futures)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        root = self.cfg.checkpoint.dir
+        path = checkpoint.latest_checkpoint(root) if root else None
+        if path is None:
+            return
+        state, meta = checkpoint.load_checkpoint(path)
+        self.rt.get([self.rt.submit(r, "set_train_state", state["ranks"]) for r in self.ranks])
+        self.state = DriverState(
+            step=int(meta["step"]),
+            sampler=data.SamplerState.from_dict(meta["sampler"]),
+            history=[telemetry.SyncReport.model_validate(h) for h in meta.get("history", [])],
+        )
+        log.info("resumed from %s at step %s", path, self.state.step)
+
+    def _save(self) -> Path | None:
+        root = self.cfg.checkpoint.dir
+        if not root:
+            return None
+        states = self.rt.get([self.rt.submit(r, "get_train_state") for r in self.ranks])
+        meta = {
+            "sampler": self.state.sampler.to_dict(),
+            "history": [h.model_dump(mode="json", by_alias=True) for h in self.state.history],
+            "config": json.loads(config_mod.dump_config(self.cfg)),
+        }
+        path = checkpoint.save_checkpoint(
+            root, self.state.step, {"ranks": states[0]}, meta, keep_last=self.cfg.checkpoint.keep_last
+        )
+        log.info("checkpoint %s", path)
+        return path
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _sync_weights(self) -> None:
+        self._update_engine_weights(list(self.engines))
+
+    def _update_engine_weights(self, names: Sequence[str]) -> None:
+        futures = [self.rt.submit(r, "engine_weights") for r in self.ranks]
+        weights = futures[0]  # rank 0 holds the full merged weights; the others only take part
+        self.rt.get(futures[1:])
+        if isinstance(self.rt, LocalRuntime):
+            weights = self.rt.get(weights)
+        self.rt.get([self.rt.submit(self.engines[n].handle, "update_weights", weights) for n in names])
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _encode_prompt(self, text: str) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids[-self.cfg.lengths.max_prompt_tokens :]
+
+    def _generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[base.GenerationOutput]:
+        g = self.cfg.grpo
+        n = len(prompts)
+        rids = self.dispatcher.submit(n)
+        index_of = {rid: i for i, rid in enumerate(rids)}
+        results: list[base.GenerationOutput | None] = [None] * n
+        awake = max(1, sum(1 for e in self.engines.values() if e.awake))
+        per_call = -(-n // awake)
+        pending: dict[Any, list[int]] = {}
+        while self.dispatcher.inflight:
+            for name, ids in self.dispatcher.admit(max_per_engine=per_call).items():
+                sampling = base.SamplingSettings(
+                    temperature=g.temperature,
+                    top_p=g.top_p,
+                    max_tokens=self.cfg.lengths.max_response_tokens,
+                    seeds=tuple(seeds[index_of[r]] for r in ids),
+                )
+                batch = [prompts[index_of[r]] for r in ids]
+                fut = self.rt.submit(self.engines[name].handle, "generate", batch, sampling)
+                self.dispatcher.mark_generating(ids)
+                pending[fut] = ids
+            if not pending:
+                raise RuntimeError("requests are queued but no rollout engine is awake")
+            for fut in self.rt.wait_any(list(pending)):
+                ids = pending.pop(fut)
+                for rid, out in zip(ids, self.rt.get(fut), strict=True):
+                    results[index_of[rid]] = out
+                self.dispatcher.finish(ids)
+        return [r for r in results if r is not None]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        cfg, g = self.cfg, self.cfg.grpo
+        step = self.state.step + 1
+        t_start = self.clock()
+        idx, sampler_next = data.next_prompts(
+            self.state.sampler,
+            g.prompts_per_step,
+            num_examples=len(self.examples),
+            seed=g.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
+        prompt_ids = [self._encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
+        seeds = [sample_seed(g.seed, step, i) for i in range(len(prompt_ids))]
+
+        self._apply_shared_sleep(generating=True)
+        t_gen = self.clock()
+        outs = self._generate(prompt_ids, seeds)
+        gen_s = self.clock() - t_gen
+        self._apply_shared_sleep(generating=False)
+
+        totals, parts = [], []
+        for p, out in zip(group_ids, outs, strict=True):
+            ex = self.examples[idx[p]]
+            text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+            total, comp = self.reward_fn.score(ex.prompt, text, ex.answer)
+            totals.append(total)
+            parts.append(comp)
+        import torch
+
+        adv = self.adv_fn(
+            torch.tensor(totals, dtype=torch.float32), torch.tensor(group_ids), norm_by_std=g.norm_adv_by_std
+        ).tolist()
+        samples = [
+            trainer.TrainSample(
+                tuple(o.prompt_token_ids), tuple(o.token_ids) or (self.tokenizer.eos_token_id,), a
+            )
+            for o, a in zip(outs, adv, strict=True)
+        ]
+
+        world = len(self.ranks)
+        per_rank: list[list[trainer.RankMiniBatch]] = [[] for _ in range(world)]
+        balance_metrics: dict[str, Any] = {}
+        for mb in split_mini_batches(len(samples), g.mini_batches_per_step):
+            lengths = [samples[i].length for i in mb]
+            shards, m = shard_for_ranks(
+                lengths, world, spec=self.spec, cost=self.cost, enabled=cfg.batching.dp_balance
+            )
+            balance_metrics = balance_metrics or m
+            n_resp = sum(len(samples[i].response_ids) for i in mb)
+            for r, shard in enumerate(shards):
+                per_rank[r].append(
+                    trainer.RankMiniBatch(tuple(samples[mb[j]] for j in shard), len(mb), n_resp)
+                )
+        t_train = self.clock()
+        stats = self.rt.get([self.rt.submit(h, "train_step", per_rank[r]) for r, h in enumerate(self.ranks)])
+        train_s = self.clock() - t_train
+        t_sync = self.clock()
+        self._sync_weights()
+        sync_s = self.clock() - t_sync
+
+        self.state.step = step
+        self.state.sampler = sampler_next
+        tokens = sum(s["tokens"] for s in stats)
+        resp_lens = [len(o.token_ids) for o in outs]
+        metrics: dict[str, Any] = {
+            "step": step,
+            "mean_reward": sum(totals) / len(totals),
+            **{f"reward/{k}": sum(c[k] for c in parts) / len(parts) for k in parts[0]},
+            "loss": sum(s["loss"] for s in stats),
+            "pg_loss": sum(s["pg_loss"] for s in stats),
+            "kl": sum(s["kl"] for s in stats),
+            "clipfrac": sum(s["clipfrac_tokens"] for s in stats) / max(sum(resp_lens), 1),
+            "grad_norm": stats[0]["grad_norm"],
+            "response_len_mean": sum(resp_lens) / len(resp_lens),
+            "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "generation_s": gen_s,
+            "training_s": train_s,
+            "weight_sync_s": sync_s,
+            "step_s": self.clock() - t_start,
+            "prompt_indices": idx,
+            **balance_metrics,
+        }
+        self._sync_point(metrics, gen_s, train_s)
+        if cfg.checkpoint.dir and (step % cfg.checkpoint.interval_steps == 0 or step == g.max_steps):
+            self._save()
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(metrics, default=str) + "\n")
+        return metrics
+
+    def _sync_point(self, metrics: dict[str, Any], gen_s: float, train_s: float) -> None:
+        load = self.dispatcher.close_interval()
+        report = telemetry.SyncReport(
+            step=metrics["step"],
+            time=self.wall_clock(),
+            interval_s=load.interval_s,
+            trainer_wait_s=gen_s,  # synchronous GRPO: ranks idle while rollouts run
+            generation_s=gen_s,
+            training_s=train_s,
+            inflight_request_seconds=load.inflight_request_seconds,
+            engine_seconds=load.engine_seconds,
+            snapshot_inflight=load.snapshot_inflight,
+            shared_engines_awake=self.shared_awake_target,
+            dedicated_engines=sum(1 for e in self.engines.values() if not e.colocated),
+            mean_reward=metrics["mean_reward"],
+            loss=metrics["loss"],
+            tokens_per_s=metrics["tokens_per_s"],
+            response_len_mean=metrics["response_len_mean"],
+        )
+        self.state.history = telemetry.append_report(self.state.history, report)
+        metrics["busy_mean"] = report.mean_busy
+        metrics["inflight_request_seconds"] = load.inflight_request_seconds
+        metrics["engine_seconds"] = load.engine_seconds
+        if self.sink is not None:
+            self.sink.publish(self.state.history, metrics)
+            targets = self.sink.read_targets() if self.cfg.telemetry.read_targets else None
+            if targets is not None:
+                self.apply_targets(targets)
+
+    def apply_targets(self, targets: telemetry_sink.EngineTargets) -> None:
+        """Follow the operator's desired counts (None leaves a count as it is)."""
+        if targets.desired_shared_awake is not None:
+            self.shared_awake_target = max(
+                0, min(targets.desired_shared_awake, self.cfg.rollout.shared_engines)
+            )
+        if targets.desired_dedicated_engines is not None:
+            self.dedicated_target = max(0, targets.desired_dedicated_engines)
+        self._reconcile_dedicated()
+        if not any(not e.colocated for e in self.engines.values()) and not self.cfg.rollout.shared_engines:
+            raise RuntimeError("no rollout engine left: dedicated target 0 and no shared engines")
+
+    # ---- run -------------------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> list[dict[str, Any]]:
+        """Set up, then step until `max_steps` (default grpo.maxSteps) counting resumed steps."""
+        self.setup()
+        last = min(max_steps or self.cfg.grpo.max_steps, self.cfg.grpo.max_steps)
+        out = []
+        while self.state.step < last:
+            out.append(self.step())
+        return out
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            try:
+                self.rt.get(self.rt.submit(r, "shutdown"))
+            except Exception as e:  # a dead rank must not hide the real error
+                log.warning("rank shutdown failed: %s", e)
+        self.rt.shutdown()
