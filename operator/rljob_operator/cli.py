@@ -1,0 +1,187 @@
+"""The `rljob` command: plan a job offline, validate manifests, generate the CRD, run the operator.
+
+Entry point of the `rljob` console script. A thin shell: every subcommand parses its flags and calls
+one function of the core (`planning.plan_job`, `crd.write_crds`, `handlers.run_operator`). kopf is
+imported only by `rljob operator`, so `plan`, `validate` and `crd` work with the core install alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from rljob_operator import api, crd, planning
+from rljob_operator import estimator as est
+
+REPO_CRDS = Path(__file__).resolve().parents[2] / "crds"
+
+
+def _read_rljobs(path: str) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    docs = [doc for doc in api.load_manifests(text) if doc.get("kind") == api.KIND]
+    if not docs:
+        raise SystemExit(f"{path}: no {api.KIND} in this file")
+    return docs
+
+
+def _parse_spec(doc: dict[str, Any], source: str) -> api.RLJobSpec:
+    name = (doc.get("metadata") or {}).get("name", "?")
+    try:
+        return api.RLJobSpec.model_validate(doc.get("spec") or {})
+    except ValidationError as exc:
+        lines = "\n  ".join(api.describe_validation_error(exc, prefix="spec"))
+        raise SystemExit(f"{source}: RLJob {name!r} is invalid:\n  {lines}") from None
+
+
+def _model_config(spec: api.RLJobSpec, override: str | None) -> dict[str, Any]:
+    if override:
+        return dict(json.loads(Path(override).read_text(encoding="utf-8")))
+    source = spec.model.config
+    if source.inline is not None:
+        return dict(source.inline)
+    if source.preset is not None:
+        return est.load_preset(source.preset)
+    raise SystemExit(
+        "spec.model.config.configMapRef is read by the operator from the cluster; offline, pass the file with "
+        "--model-config path/to/config.json"
+    )
+
+
+def _print_plan(plan: est.ResourcePlan, output: str, title: str) -> None:
+    if output == "json":
+        print(json.dumps(est.plan_to_json(plan), indent=2, sort_keys=True))
+    else:
+        print(f"# {title}")
+        print(est.format_plan_table(plan))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        if args.filename:
+            for doc in _read_rljobs(args.filename):
+                spec = _parse_spec(doc, args.filename)
+                plan = planning.plan_job(spec, _model_config(spec, args.model_config))
+                _print_plan(plan, args.output, f"RLJob {doc.get('metadata', {}).get('name', '?')}")
+            return 0
+        if not args.model_config:
+            raise SystemExit("rljob plan: give -f rljob.yaml, or --model-config config.json with flags for the rest")
+        request = est.PlanRequest(
+            hf_config=json.loads(Path(args.model_config).read_text(encoding="utf-8")),
+            accelerator=args.accelerator,
+            total_accelerators=args.total_accelerators,
+            accelerators_per_node=args.accelerators_per_node,
+            mode=args.mode,
+            trainer_accelerators=args.trainer_accelerators,
+            rollout_accelerators=args.rollout_accelerators,
+            tensor_parallel=args.tensor_parallel,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_completion_tokens=args.max_completion_tokens,
+            max_model_len=args.max_model_len,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            lora=args.lora,
+        )
+        _print_plan(est.plan_resources(request), args.output, Path(args.model_config).name)
+        return 0
+    except est.EstimatorError as exc:
+        print(f"rljob plan: {exc.reason}: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print("rljob plan: invalid flags:\n  " + "\n  ".join(api.describe_validation_error(exc)), file=sys.stderr)
+        return 2
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    for doc in _read_rljobs(args.filename):
+        _parse_spec(doc, args.filename)
+        print(f"RLJob {doc.get('metadata', {}).get('name', '?')}: valid")
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    if args.check:
+        path = Path(args.output_dir) / crd.CRD_FILENAME
+        if not path.exists() or path.read_text(encoding="utf-8") != crd.render_crd_yaml():
+            print(f"{path} is out of date: run `rljob crd` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    if args.stdout:
+        sys.stdout.write(crd.render_crd_yaml())
+        return 0
+    for path in crd.write_crds(args.output_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from rljob_operator import handlers  # kopf only here
+
+    handlers.run_operator(
+        None if args.all_namespaces else args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rljob", description="Elastic GRPO jobs on Kubernetes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the resource plan of an RLJob, offline")
+    plan.add_argument("-f", "--filename", help="RLJob manifest (YAML, - for stdin)")
+    plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    plan.add_argument("--model-config", help="the model's config.json (overrides the manifest's)")
+    flags = plan.add_argument_group("without -f: the job's numbers")
+    flags.add_argument("--accelerator", default="H100-80GB", help="catalog name, e.g. H100-80GB, H200, Ascend910B3")
+    flags.add_argument("--total-accelerators", type=int, default=8)
+    flags.add_argument("--accelerators-per-node", type=int, default=8)
+    flags.add_argument("--mode", choices=["static", "estimate", "adaptive"], default="estimate")
+    flags.add_argument("--trainer-accelerators", type=int)
+    flags.add_argument("--rollout-accelerators", type=int)
+    flags.add_argument("--tensor-parallel", type=int)
+    flags.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    flags.add_argument("--max-prompt-tokens", type=int, default=1024)
+    flags.add_argument("--max-completion-tokens", type=int, default=4096)
+    flags.add_argument("--max-model-len", type=int)
+    flags.add_argument("--prompts-per-step", type=int, default=64)
+    flags.add_argument("--group-size", type=int, default=8)
+    flags.add_argument("--kv-cache-dtype", default="auto")
+    flags.add_argument("--lora", action="store_true")
+    plan.set_defaults(func=cmd_plan)
+
+    validate = sub.add_parser("validate", help="check RLJob manifests against the API offline")
+    validate.add_argument("-f", "--filename", required=True)
+    validate.set_defaults(func=cmd_validate)
+
+    crd_cmd = sub.add_parser("crd", help="generate crds/ from the API models")
+    crd_cmd.add_argument("--output-dir", default=str(REPO_CRDS if REPO_CRDS.is_dir() else "crds"))
+    crd_cmd.add_argument("--check", action="store_true", help="fail if the committed CRD is out of date")
+    crd_cmd.add_argument("--stdout", action="store_true", help="print the CRD instead of writing it")
+    crd_cmd.set_defaults(func=cmd_crd)
+
+    op = sub.add_parser("operator", help="run the operator (kopf) against the current kubeconfig")
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", help="watch one namespace")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)")
+    op.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    op.set_defaults(func=cmd_operator)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "operator" and not args.namespace:
+        args.all_namespaces = True
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

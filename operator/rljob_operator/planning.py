@@ -1,0 +1,105 @@
+"""From an RLJob spec to the estimator's plan: the one adapter between `api` and `estimator`.
+
+Called by the operator's reconcile (`handlers._compute_plan`) and by `rljob plan`, so both see the
+same numbers. Pure: the model config is passed in, already read by the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rljob_operator import api
+from rljob_operator import estimator as est
+
+# CPU jobs (kind cpu) have no accelerator: plan them on a nominal "device" so the KV arithmetic
+# still explains the engine settings. Memory is the pod's memory; bandwidth and peak are those of
+# a few server cores, which only matter for the (unused) estimate/adaptive split of a CPU job.
+CPU_DEVICE_NAME = "cpu"
+CPU_BANDWIDTH_BYTES_PER_S = 20e9
+CPU_FLOPS_PER_S = 0.5e12
+CPU_DEFAULT_MEMORY_BYTES = 2 * 1024**3
+
+_QUANTITY = re.compile(r"^([0-9.]+)([a-zA-Z]*)$")
+_SUFFIX_BYTES = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}
+
+
+def quantity_bytes(quantity: int | str) -> int:
+    """A Kubernetes memory quantity (8Gi, 500M, 1073741824) in bytes."""
+    if isinstance(quantity, int):
+        return quantity
+    match = _QUANTITY.match(quantity.strip())
+    if match is None or match.group(2) not in _SUFFIX_BYTES:
+        raise ValueError(f"{quantity!r} is not a memory quantity such as 8Gi or 512Mi")
+    return int(float(match.group(1)) * _SUFFIX_BYTES[match.group(2)])
+
+
+def _devices(spec: api.RLJobSpec) -> tuple[str, tuple[est.DeviceSpec, ...]]:
+    accelerator = spec.resources.accelerator
+    if accelerator.kind == "cpu":
+        memory = spec.resources.memory
+        device = est.DeviceSpec(
+            name=CPU_DEVICE_NAME,
+            memory_bytes=quantity_bytes(memory) if memory is not None else CPU_DEFAULT_MEMORY_BYTES,
+            hbm_bandwidth_bytes_per_s=CPU_BANDWIDTH_BYTES_PER_S,
+            bf16_flops_per_s=CPU_FLOPS_PER_S,
+            resource_name="cpu",
+            vendor="other",
+        )
+        return CPU_DEVICE_NAME, (device,)
+    name = accelerator.model or ""
+    if accelerator.custom is None:
+        return name, ()
+    custom = accelerator.custom
+    device = est.DeviceSpec(
+        name=name,
+        memory_bytes=int(custom.memory_gib * 1024**3),
+        hbm_bandwidth_bytes_per_s=custom.hbm_bandwidth_gbps * 1e9,
+        bf16_flops_per_s=custom.bf16_tflops * 1e12,
+        resource_name=accelerator.resource_name or api.DEFAULT_RESOURCE_NAMES[accelerator.kind],
+        vendor={"nvidia": "nvidia", "amd": "amd", "ascend": "huawei"}.get(accelerator.kind, "other"),
+    )
+    return name, (device,)
+
+
+def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.PlanRequest:
+    """The estimator's inputs, read from the spec; `model_config` is the model's config.json."""
+    resources, lengths, batching = spec.resources, spec.lengths, spec.batching
+    accelerator, custom_devices = _devices(spec)
+    static = resources.static
+    rollout = resources.rollout
+    micro_batch_tokens = batching.max_tokens_per_micro_batch or (
+        batching.micro_batch_size * (lengths.max_prompt_tokens + lengths.max_completion_tokens)
+    )
+    return est.PlanRequest(
+        hf_config=model_config,
+        dtype=spec.model.dtype,
+        lora=spec.model.finetune.mode == "lora",
+        lora_rank=spec.model.finetune.lora.rank,
+        accelerator=accelerator,
+        custom_devices=custom_devices,
+        total_accelerators=resources.total_accelerators,
+        accelerators_per_node=resources.accelerators_per_node,
+        mode=resources.mode,
+        trainer_accelerators=static.trainer_accelerators if static else None,
+        rollout_accelerators=static.rollout_accelerators if static else None,
+        tensor_parallel=rollout.tensor_parallel,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_prompt_tokens=lengths.max_prompt_tokens,
+        max_completion_tokens=lengths.max_completion_tokens,
+        max_model_len=lengths.max_model_len,
+        prompts_per_step=spec.grpo.prompts_per_step,
+        group_size=spec.grpo.group_size,
+        micro_batch_tokens=micro_batch_tokens,
+        kv_cache_dtype=rollout.kv_cache_dtype,
+    )
+
+
+def plan_job(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.ResourcePlan:
+    """The plan the operator applies and `rljob plan` prints. Raises `EstimatorError`."""
+    return est.plan_resources(plan_request_from_spec(spec, model_config))

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up everything rljob needs on a fresh machine, idempotently:
+#   .venv/ at the repository root with the rljob distribution (operator, trainer, dev extras),
+#   and the local control plane's binaries, built from the Kubernetes Go modules and cached in
+#   ${RLJOB_CACHE_DIR:-~/.cache/rljob} (keyed by go.mod/go.sum, so a warm run takes seconds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# Some machines reach PyPI through a TLS proxy whose CA is only in the system bundle.
+if [ -z "${SSL_CERT_FILE:-}" ] && [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  export SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv" >&2
+  "$PYTHON" -m venv .venv
+fi
+if [ ! -x .venv/bin/uv ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check uv
+fi
+
+stamp=.venv/.rljob-installed
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "==> installing rljob[operator,trainer,dev] into .venv" >&2
+  .venv/bin/uv pip install --quiet --python .venv/bin/python -e ".[operator,trainer,dev]"
+  echo "$want" > "$stamp"
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "bootstrap: Go is needed to build the local control plane (kube-apiserver, etcd, ...)" >&2
+  exit 1
+fi
+echo "==> control plane binaries (built once from Go modules, then cached)" >&2
+PYTHONPATH=tests .venv/bin/python -m testenv build >&2
