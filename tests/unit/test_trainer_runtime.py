@@ -1,0 +1,55 @@
+"""Unit tests for the trainer's pure runtime helpers: pod commands, status targets, sharding, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rljob_trainer import telemetry_sink
+from rljob_trainer.__main__ import ray_worker_command
+
+
+def test_ray_worker_commands_from_pod_env():
+    env = {"RLJOB_RAY_HEAD": "job-trainer-0.job.ns.svc", "RLJOB_RAY_PORT": "6379"}
+    assert ray_worker_command(env, "trainer", 1) == [
+        "ray", "start", "--address=job-trainer-0.job.ns.svc:6379", "--block",
+    ]
+    cmd = ray_worker_command(env, "rollout", 3)
+    assert json.loads(cmd[-1].split("=", 1)[1]) == {"rljob_rollout_3": 1}
+    with pytest.raises(ValueError, match="RLJOB_RAY_HEAD"):
+        ray_worker_command({}, "rollout", 0)
+
+
+def test_parse_targets_from_rljob_status():
+    obj = {"status": {"rollout": {"desiredSharedAwake": 1, "desiredDedicatedEngines": 3}}}
+    assert telemetry_sink.parse_targets(obj) == telemetry_sink.EngineTargets(1, 3)
+    assert telemetry_sink.parse_targets({}) == telemetry_sink.EngineTargets(None, None)
+    assert telemetry_sink.prometheus_name("dp_balance/plan_ms") == "rljob_dp_balance_plan_ms"
+
+
+@pytest.mark.torch
+def test_sharding_and_seeds():
+    from rljob_trainer import config, driver, trainer
+
+    spec = trainer.micro_batch_spec(config.BatchingSettings(packed=True, dynamic=True))
+    lengths = [100, 5, 90, 6, 80, 7, 70, 8]
+    shards, metrics = driver.shard_for_ranks(lengths, 2, spec=spec, cost=None, enabled=True)
+    assert sorted(i for s in shards for i in s) == list(range(8)) and [len(s) for s in shards] == [4, 4]
+    assert "dp_balance/strategy_name" in metrics
+    shards, metrics = driver.shard_for_ranks(lengths[:7], 2, spec=spec, cost=None, enabled=True)
+    assert shards == [[0, 1, 2, 3], [4, 5, 6]] and metrics == {}
+    assert driver.sample_seed(1, 2, 3) == driver.sample_seed(1, 2, 3) != driver.sample_seed(1, 3, 3)
+    assert driver.split_mini_batches(6, 2) == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.torch
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    from rljob_trainer import checkpoint
+
+    (tmp_path / ".tmp-step-00000009-x").mkdir()  # a save killed before its rename
+    for step in (3, 6, 9):
+        checkpoint.save_checkpoint(tmp_path, step, {"w": step}, {"sampler": {}}, keep_last=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [6, 9]
+    state, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path))
+    assert state == {"w": 9} and meta["step"] == 9
