@@ -142,9 +142,9 @@ def estimate_activation_bytes(
     """Peak activation of vLLM's profile run (one prefill of ``max_num_batched_tokens``) per rank.
 
     ``tokens x dtype x (2 x intermediate / tp + 6 x hidden)`` for a dense MLP (MoE: routed experts'
-    ``top_k x (2 x expert_intermediate / tp + hidden)``), plus fp32 logits and one sampler copy
-    for ``max_num_seqs`` rows. Calibrated on vllm-project/vllm#10517 (Llama-3.1-8B: profile
-    peaks of 2.07 and 2.99 GiB above weights at 20,000 and 29,000 tokens; this gives 2.10 and 3.00).
+    ``top_k x (2 x expert_intermediate / tp + hidden)``), plus the fp32 logits of the dummy sampler
+    run over ``max_num_seqs`` rows. Calibrated on vllm-project/vllm#10517 (Llama-3.1-8B: profile
+    peaks of 2.07 and 2.99 GiB above weights at 20,000 and 29,000 tokens; this gives 2.11 and 3.00).
     """
     elem = geometry.dtype_bytes(model.dtype, "dtype")
     tp = tensor_parallel
@@ -154,7 +154,7 @@ def estimate_activation_bytes(
         routed = moe.experts_per_token * (2 * moe.expert_intermediate_size // tp + model.hidden_size)
         mlp_width = max(mlp_width, routed + 2 * moe.shared_intermediate_size // tp)
     per_token = elem * (mlp_width + 6 * model.hidden_size)
-    logits = min(max_num_seqs, max_num_batched_tokens) * model.vocab_size * 4 * 2
+    logits = min(max_num_seqs, max_num_batched_tokens) * model.vocab_size * 4
     return max_num_batched_tokens * per_token + logits
 
 
