@@ -371,8 +371,8 @@ def choose_tensor_parallel(
         try:
             sizing = size_engine(model, device, tp, **engine_kwargs)  # type: ignore[arg-type]
         except errors.EstimatorError as exc:
-            if exc.reason == "InvalidPlanRequest" and exc.field != "tensor_parallel":
-                raise
+            if exc.reason not in ("ModelDoesNotFit", "KVCacheTooSmall") and exc.field != "tensor_parallel":
+                raise  # bad input (dtype, lengths): no tensor-parallel size can fix it
             failures.append(f"TP {tp}: {exc.message}")
             continue
         best = best or sizing

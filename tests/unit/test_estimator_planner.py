@@ -1,0 +1,222 @@
+"""plan_resources: modes, the split, adaptive sleeping/idle engines, errors and the JSON contract."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rljob_operator.estimator import (
+    DeviceSpec,
+    EstimatorError,
+    PlanRequest,
+    format_plan_table,
+    get_device,
+    load_preset,
+    merge_catalog,
+    plan_resources,
+    plan_to_json,
+)
+
+PPU = DeviceSpec(
+    name="PPU-ZW810", memory_bytes=96 << 30, hbm_bandwidth_bytes_per_s=2.0e12, bf16_flops_per_s=6e14
+)
+
+
+def seed_request(**overrides: Any) -> PlanRequest:
+    """Seed 004's job: Qwen3.5-4B GRPO on 8 x 96 GiB, prompt 1024, completion 8192, max_model_len 12288."""
+    base: dict[str, Any] = {
+        "hf_config": load_preset("qwen3.5-4b"),
+        "accelerator": "PPU-ZW810",
+        "custom_devices": (PPU,),
+        "total_accelerators": 8,
+        "max_prompt_tokens": 1024,
+        "max_completion_tokens": 8192,
+        "max_model_len": 12288,
+        "prompts_per_step": 32,
+        "group_size": 8,
+        "lora": True,
+    }
+    base.update(overrides)
+    return PlanRequest(**base)
+
+
+def test_seed_estimate_plan() -> None:
+    plan = plan_resources(seed_request())
+    assert plan.head_dim == 256
+    assert plan.max_num_batched_tokens == 12288
+    assert plan.kv_bytes_per_token == 32768 and plan.state_bytes_per_sequence == 51_511_296
+    assert plan.trainer_accelerators + plan.rollout_accelerators + plan.idle_accelerators == 8
+    assert plan.rollout_engines * plan.tensor_parallel == plan.rollout_accelerators
+    assert plan.shared_engines == 0
+    assert plan.reasons and all(isinstance(r, str) and r for r in plan.reasons)
+
+
+def test_estimate_split_balances_generation_and_training() -> None:
+    plan = plan_resources(seed_request())
+    # the chosen split is no worse than moving one accelerator either way
+    assert plan.step_time_s == pytest.approx(max(plan.generation_time_s, plan.training_time_s))
+    ratio = plan.generation_time_s / plan.training_time_s
+    assert 0.25 < ratio < 4
+
+
+def test_adaptive_plan_has_sleeping_and_idle_engines() -> None:
+    est = plan_resources(seed_request())
+    ada = plan_resources(seed_request(mode="adaptive"))
+    assert ada.trainer_accelerators == est.trainer_accelerators
+    assert ada.shared_engines == ada.trainer_accelerators // ada.tensor_parallel >= 1
+    assert ada.rollout_engines == max(1, est.rollout_engines - ada.shared_engines)
+    assert ada.idle_accelerators == 8 - ada.trainer_accelerators - ada.rollout_accelerators > 0
+    assert any("asleep" in r for r in ada.reasons) and any("idle" in r for r in ada.reasons)
+
+
+def test_static_mode_uses_counts_and_still_sizes_kv() -> None:
+    plan = plan_resources(seed_request(mode="static", trainer_accelerators=4, rollout_accelerators=4))
+    assert (plan.trainer_accelerators, plan.rollout_accelerators, plan.rollout_engines) == (4, 4, 4)
+    assert plan.idle_accelerators == 0 and plan.kv_cache_tokens > 0 and plan.max_num_seqs > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        (
+            {"mode": "static", "trainer_accelerators": 6, "rollout_accelerators": 4},
+            "rollout_accelerators",
+            "InvalidPlanRequest",
+        ),
+        (
+            {"mode": "static", "trainer_accelerators": 4, "rollout_accelerators": 3, "tensor_parallel": 2},
+            "rollout_accelerators",
+            "InvalidPlanRequest",
+        ),
+        ({"accelerator": "TPU-v9"}, "accelerator", "UnknownAccelerator"),
+        ({"max_model_len": 4096}, "max_model_len", "InvalidPlanRequest"),
+        ({"kv_cache_dtype": "int2"}, "kv_cache_dtype", "InvalidModelConfig"),
+    ],
+)
+def test_plan_errors_name_the_field(overrides: dict[str, Any], field: str, reason: str) -> None:
+    with pytest.raises(EstimatorError) as exc:
+        plan_resources(seed_request(**overrides))
+    assert (exc.value.field, exc.value.reason) == (field, reason)
+
+
+def test_model_too_big_for_the_cluster() -> None:
+    with pytest.raises(EstimatorError) as exc:
+        plan_resources(
+            PlanRequest(
+                hf_config=load_preset("qwen3-30b-a3b"),
+                accelerator="L40S",
+                total_accelerators=1,
+                accelerators_per_node=1,
+                max_prompt_tokens=512,
+                max_completion_tokens=512,
+            )
+        )
+    assert exc.value.reason == "ModelDoesNotFit"
+
+
+def test_tp_chosen_smallest_that_fits() -> None:
+    # Qwen3-30B-A3B bf16 (~57 GiB) cannot run at TP 1 on A100-40GB; TP 2 holds ~28.5 GiB per rank.
+    plan = plan_resources(
+        PlanRequest(
+            hf_config=load_preset("qwen3-30b-a3b"),
+            accelerator="A100-40GB",
+            total_accelerators=16,
+            max_prompt_tokens=1024,
+            max_completion_tokens=4096,
+            max_model_len=8192,
+            lora=True,
+            micro_batch_tokens=4096,
+        )
+    )
+    assert plan.tensor_parallel == 2
+    assert any("TP 1" in r for r in plan.reasons)
+
+
+def test_single_accelerator_colocates() -> None:
+    plan = plan_resources(
+        PlanRequest(
+            hf_config=load_preset("qwen3-4b"),
+            accelerator="H100",
+            total_accelerators=1,
+            max_prompt_tokens=512,
+            max_completion_tokens=1024,
+            max_model_len=2048,
+            lora=True,
+            micro_batch_tokens=4096,
+        )
+    )
+    assert (plan.trainer_accelerators, plan.rollout_engines, plan.shared_engines) == (1, 0, 1)
+    assert plan.step_time_s == pytest.approx(plan.generation_time_s + plan.training_time_s)
+
+
+def test_json_contract_keys_and_table() -> None:
+    plan = plan_resources(seed_request(mode="adaptive"))
+    data = plan_to_json(plan)
+    for key in (
+        "kvBytesPerToken",
+        "kvCacheTokens",
+        "maxNumSeqs",
+        "maxNumBatchedTokens",
+        "trainerAccelerators",
+        "rolloutAccelerators",
+        "rolloutEngines",
+        "tensorParallel",
+        "sharedEngines",
+        "idleAccelerators",
+        "stateBytesPerSequence",
+        "reasons",
+        "generationTimeS",
+        "trainingTimeS",
+    ):
+        assert key in data, key
+    json.dumps(data)
+    table = format_plan_table(plan)
+    for key in ("kvBytesPerToken", "maxNumBatchedTokens", "sharedEngines", "Reasons:"):
+        assert key in table
+    assert str(plan.kv_cache_tokens) in table.replace(",", "")
+
+
+def test_catalog_merge_and_aliases() -> None:
+    assert get_device("h100").name == "H100-80GB"
+    assert get_device("Ascend910B3").resource_name == "huawei.com/Ascend910"
+    assert get_device("MI300X").resource_name == "amd.com/gpu"
+    custom = DeviceSpec(
+        name="H100-80GB", memory_bytes=1 << 36, hbm_bandwidth_bytes_per_s=1e12, bf16_flops_per_s=1e14
+    )
+    assert merge_catalog([custom])["H100-80GB"].memory_bytes == 1 << 36
+    assert get_device("H100-80GB").memory_bytes != 1 << 36  # the default catalog is untouched
+
+
+def test_plan_is_pure() -> None:
+    request = seed_request(mode="adaptive")
+    assert plan_resources(request) == plan_resources(request)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    total=st.integers(min_value=2, max_value=32),
+    completion=st.integers(min_value=256, max_value=16384),
+    mode=st.sampled_from(["estimate", "adaptive"]),
+    preset=st.sampled_from(["qwen3-4b", "qwen3.5-4b", "llama-3.1-8b-instruct"]),
+)
+def test_plan_accounts_for_every_accelerator(total: int, completion: int, mode: str, preset: str) -> None:
+    plan = plan_resources(
+        PlanRequest(
+            hf_config=load_preset(preset),
+            accelerator="H100",
+            total_accelerators=total,
+            mode=mode,
+            max_prompt_tokens=1024,
+            max_completion_tokens=completion,
+            lora=True,
+            micro_batch_tokens=8192,
+            max_model_len=1024 + completion,
+        )
+    )
+    assert plan.trainer_accelerators + plan.rollout_accelerators + plan.idle_accelerators == total
+    assert plan.max_num_batched_tokens >= plan.max_num_seqs >= 1
+    assert plan.kv_cache_tokens > 0 and plan.idle_accelerators >= 0
