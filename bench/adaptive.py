@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
+
 from rljob_operator import policy
 from rljob_trainer import telemetry
 

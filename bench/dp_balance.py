@@ -157,6 +157,7 @@ def _e2e_worker(rank: int, port: int, out_dir: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
     import transformers
+
     from rljob_trainer import packing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

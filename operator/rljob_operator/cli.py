@@ -47,7 +47,8 @@ def _model_config(spec: api.RLJobSpec, override: str | None) -> dict[str, Any]:
     if source.preset is not None:
         return est.load_preset(source.preset)
     raise SystemExit(
-        "spec.model.config.configMapRef is read by the operator from the cluster; offline, pass the file with "
+        "spec.model.config.configMapRef is read by the operator from the cluster; offline, pass the file "
+        "with "
         "--model-config path/to/config.json"
     )
 
@@ -69,7 +70,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 _print_plan(plan, args.output, f"RLJob {doc.get('metadata', {}).get('name', '?')}")
             return 0
         if not args.model_config:
-            raise SystemExit("rljob plan: give -f rljob.yaml, or --model-config config.json with flags for the rest")
+            raise SystemExit(
+                "rljob plan: give -f rljob.yaml, or --model-config config.json with flags for the rest"
+            )
         request = est.PlanRequest(
             hf_config=json.loads(Path(args.model_config).read_text(encoding="utf-8")),
             accelerator=args.accelerator,
@@ -94,7 +97,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"rljob plan: {exc.reason}: {exc}", file=sys.stderr)
         return 2
     except ValidationError as exc:
-        print("rljob plan: invalid flags:\n  " + "\n  ".join(api.describe_validation_error(exc)), file=sys.stderr)
+        print(
+            "rljob plan: invalid flags:\n  " + "\n  ".join(api.describe_validation_error(exc)),
+            file=sys.stderr,
+        )
         return 2
 
 
@@ -140,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--model-config", help="the model's config.json (overrides the manifest's)")
     flags = plan.add_argument_group("without -f: the job's numbers")
-    flags.add_argument("--accelerator", default="H100-80GB", help="catalog name, e.g. H100-80GB, H200, Ascend910B3")
+    flags.add_argument(
+        "--accelerator", default="H100-80GB", help="catalog name, e.g. H100-80GB, H200, Ascend910B3"
+    )
     flags.add_argument("--total-accelerators", type=int, default=8)
     flags.add_argument("--accelerators-per-node", type=int, default=8)
     flags.add_argument("--mode", choices=["static", "estimate", "adaptive"], default="estimate")

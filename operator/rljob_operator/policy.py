@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from rljob_trainer import telemetry
 
 Action = Literal["none", "wake_shared", "add_dedicated", "sleep_shared", "remove_dedicated"]

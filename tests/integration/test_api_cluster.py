@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import rljob_api_cases as cases
+
 from rljob_operator import api, crd
 
 pytestmark = pytest.mark.cluster

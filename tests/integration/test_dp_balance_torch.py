@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
 from rljob_trainer import microbatch, packing  # noqa: E402
 from rljob_trainer.dp_balance import CostModel, MicroBatchSpec, plan_dp_balance  # noqa: E402
 

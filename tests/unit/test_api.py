@@ -22,6 +22,7 @@ import rljob_api_cases as cases
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rljob_operator import api, crd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

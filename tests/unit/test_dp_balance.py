@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rljob_trainer import dp_balance, microbatch
 from rljob_trainer.dp_balance import CostModel, MicroBatchSpec, plan_dp_balance
 

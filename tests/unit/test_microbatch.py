@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from rljob_trainer import microbatch
 from rljob_trainer.microbatch import MicroBatchSpec
 

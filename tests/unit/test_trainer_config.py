@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from pydantic import ValidationError
+
 from rljob_trainer import config, telemetry
 
 TINY = {"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 64}
