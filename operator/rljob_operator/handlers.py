@@ -37,11 +37,11 @@ from typing import Any
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
-from rljob_trainer import telemetry
 
 from rljob_operator import api, builders, errors, metrics, names, policy, reconcile, status
 from rljob_operator.estimator import errors as estimator_errors
 from rljob_operator.estimator import presets
+from rljob_trainer import telemetry
 
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "10"))
 METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
@@ -81,8 +81,10 @@ class Kube:
     def from_environment(cls) -> Kube:
         """KUBECONFIG (or ~/.kube/config) when present, else the in-cluster ServiceAccount."""
         cfg = kubernetes.client.Configuration()
-        if os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
-            kubernetes.config.load_kube_config(client_configuration=cfg)
+        # The kubernetes package reads $KUBECONFIG at import time; read it now instead.
+        path = (os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")).split(os.pathsep)[0]
+        if os.path.exists(path):
+            kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
         else:
             kubernetes.config.load_incluster_config(client_configuration=cfg)
         cfg.connection_pool_maxsize = API_THREADS * 2
@@ -234,6 +236,15 @@ async def rljob_startup(
     memo["rljob"] = State(kube=Kube.from_environment())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
+
+
+@kopf.on.login()
+def rljob_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Credentials from $KUBECONFIG read now (kopf's client-library login reads it at import time),
+    else the in-cluster ServiceAccount."""
+    if os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs)
 
 
 @kopf.on.cleanup()

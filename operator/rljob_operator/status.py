@@ -22,12 +22,12 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 import pydantic
-from rljob_trainer.telemetry import SyncReport
 
 from rljob_operator import api, errors, names
 from rljob_operator.builders.common import JobLayout
 from rljob_operator.estimator.errors import EstimatorError
 from rljob_operator.reconcile import PodObservation
+from rljob_trainer.telemetry import SyncReport
 
 PLANNED = "Planned"
 READY = "Ready"

@@ -44,10 +44,10 @@ TINY_CONFIG = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
     "vocab_size": 256,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 4096,
     "torch_dtype": "float32",
 }
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rljob_operator import api, builders, errors, names
 from rljob_operator.builders import configmaps, pods
 from rljob_trainer import config as tc

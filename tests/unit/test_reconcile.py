@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rljob_operator import api, builders, errors, names, reconcile
 from test_builders import JOB, make_spec
+
+from rljob_operator import api, builders, errors, names, reconcile
 
 
 def obs(

@@ -9,10 +9,11 @@ import pydantic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_builders import make_spec
+
 from rljob_operator import api, builders, errors, reconcile, status
 from rljob_operator.estimator.errors import EstimatorError
 from rljob_trainer.telemetry import SyncReport
-from test_builders import make_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 T1 = T0 + timedelta(seconds=30)

@@ -12,11 +12,11 @@ import json
 from typing import Any
 
 import pydantic
-from rljob_trainer import config as tc
-from rljob_trainer import telemetry
 
 from rljob_operator import api, errors, names
 from rljob_operator.builders.common import JobRef
+from rljob_trainer import config as tc
+from rljob_trainer import telemetry
 
 # Mount points inside the pods of the volumes the trainer config refers to.
 MODEL_MOUNT_DIR = "/models"

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob_trainer import config as tc
-
 from rljob_operator import api, names
 from rljob_operator.builders import configmaps
 from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
+from rljob_trainer import config as tc
 
 RUN_AS_USER = 1000
 CONFIG_VOLUME = "config"

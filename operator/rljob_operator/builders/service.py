@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob_trainer import config as trainer_config
-
 from rljob_operator import names
 from rljob_operator.builders.common import JobRef
+from rljob_trainer import config as trainer_config
 
 
 def build_headless_service(job: JobRef) -> dict[str, Any]:
