@@ -68,7 +68,11 @@ def test_adaptive_plan_has_sleeping_and_idle_engines() -> None:
     ada = plan_resources(seed_request(mode="adaptive"))
     assert ada.trainer_accelerators == est.trainer_accelerators
     assert ada.shared_engines == ada.trainer_accelerators // ada.tensor_parallel >= 1
-    assert ada.rollout_engines == max(1, est.rollout_engines - ada.shared_engines)
+    # dedicated engines shrink by at most the sleeping ones, and only while generation with no engine
+    # woken stays within 1.25x the estimate's step time
+    assert max(1, est.rollout_engines - ada.shared_engines) <= ada.rollout_engines <= est.rollout_engines
+    assert ada.generation_time_s <= 1.25 * est.step_time_s
+    assert ada.rollout_engines < est.rollout_engines  # the seed's job does free accelerators
     assert ada.idle_accelerators == 8 - ada.trainer_accelerators - ada.rollout_accelerators > 0
     assert any("asleep" in r for r in ada.reasons) and any("idle" in r for r in ada.reasons)
 
@@ -220,3 +224,62 @@ def test_plan_accounts_for_every_accelerator(total: int, completion: int, mode: 
     assert plan.trainer_accelerators + plan.rollout_accelerators + plan.idle_accelerators == total
     assert plan.max_num_batched_tokens >= plan.max_num_seqs >= 1
     assert plan.kv_cache_tokens > 0 and plan.idle_accelerators >= 0
+
+
+def test_static_without_rollout_accelerators_colocates() -> None:
+    plan = plan_resources(seed_request(mode="static", trainer_accelerators=8, rollout_accelerators=0))
+    assert (plan.rollout_engines, plan.shared_engines) == (0, 8)
+    assert plan.step_time_s == pytest.approx(plan.generation_time_s + plan.training_time_s)
+    assert plan.step_time_s < float("inf")
+
+
+def test_presets_accept_hugging_face_ids() -> None:
+    assert load_preset("Qwen/Qwen3.5-4B") == load_preset("qwen3.5-4b")
+    assert load_preset("meta-llama/Llama-3.1-8B-Instruct") == load_preset("llama-3.1-8b-instruct")
+
+
+def test_cpu_device_has_no_cuda_allowance_and_explicit_dtype_is_kept() -> None:
+    tiny = {
+        "model_type": "qwen2",
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    cpu = DeviceSpec(
+        name="cpu",
+        memory_bytes=1 << 30,
+        hbm_bandwidth_bytes_per_s=20e9,
+        bf16_flops_per_s=5e11,
+        resource_name="cpu",
+        vendor="other",
+    )
+    plan = plan_resources(
+        PlanRequest(
+            hf_config=tiny,
+            dtype="float32",
+            accelerator="cpu",
+            custom_devices=(cpu,),
+            total_accelerators=2,
+            mode="static",
+            trainer_accelerators=2,
+            rollout_accelerators=0,
+            max_prompt_tokens=16,
+            max_completion_tokens=8,
+            prompts_per_step=16,
+            group_size=8,
+            micro_batch_tokens=256,
+        )
+    )
+    # float32 as asked (vLLM's auto would downcast): 2 layers x 2 x 2 KV heads x 16 x 4 B
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert plan.runtime_overhead_bytes == 256 << 20
+    # an engine never needs more sequences than one step makes: 16 prompts x 8 samples
+    assert plan.max_num_seqs == 128
+    assert plan.max_num_batched_tokens == 256  # max_model_len (max_position_embeddings) >= 128 sequences

@@ -35,6 +35,16 @@ class DeviceSpec(BaseModel):
     bf16_flops_per_s: float = Field(gt=0, description="Dense bf16 peak, FLOP/s.")
     resource_name: str = Field(default="nvidia.com/gpu", description="Kubernetes extended resource.")
     vendor: str = Field(default="nvidia", description="nvidia | amd | huawei | other")
+    runtime_overhead_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Per-process runtime allowance (CUDA context, NCCL, graphs); None = built-in rule.",
+    )
+
+    @property
+    def is_cpu(self) -> bool:
+        """A nominal CPU "device" (tests, the local demo): no CUDA context, graphs or NCCL buffers."""
+        return self.resource_name == "cpu"
 
 
 def _spec(name: str, mem_gib: float, bw_tb: float, tflops: float, resource: str, vendor: str) -> DeviceSpec:

@@ -8,8 +8,9 @@ accelerators between them with the step-time model (:mod:`throughput`):
 * ``estimate``: choose the trainer count that minimises ``max(generation, training)`` of one step
   (rollout engines and the trainer run concurrently, one step apart);
 * ``adaptive``: the ``estimate`` trainer, plus one sleeping engine per ``tensor_parallel`` trainer
-  accelerators (woken when the trainer waits for data); dedicated engines are reduced by that
-  many, and the accelerators freed stay idle so the operator can add engines under pressure.
+  accelerators (woken when the trainer waits for data); dedicated engines are reduced (at most by
+  that many, and only while generation without any woken engine stays within ``ADAPTIVE_SLACK`` of
+  the estimate's step), and the accelerators freed stay idle so the operator can add engines.
 
 Callers: the operator's reconcile (through ``handlers``), ``rljob plan`` and ``bench/estimator.py``.
 Pure: no clock, environment, randomness or API access. Every choice appends a reason.
@@ -25,6 +26,9 @@ from pydantic.alias_generators import to_camel
 from rljob_operator.estimator import devices, errors, geometry, rollout, throughput, trainer
 
 GIB = 1 << 30
+#: Adaptive mode frees dedicated engines while generation without woken engines stays within this
+#: factor of the estimate split's step time.
+ADAPTIVE_SLACK = 1.25
 
 
 class PlanRequest(BaseModel):
@@ -127,8 +131,9 @@ class ResourcePlan(BaseModel):
 def _model(request: PlanRequest) -> geometry.ModelGeometry:
     model = request.model_geometry or geometry.ModelGeometry.from_hf_config(request.hf_config or {})
     if request.dtype is not None:
+        # An explicit dtype is served as given (vLLM --dtype float32 runs float32); only "auto" downcasts.
         geometry.dtype_bytes(request.dtype, "dtype")
-        model = model.model_copy(update={"dtype": geometry.serving_dtype(request.dtype)})
+        model = model.model_copy(update={"dtype": request.dtype.removeprefix("torch.").lower()})
     return model
 
 
@@ -160,6 +165,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         "max_num_batched_tokens": request.max_num_batched_tokens,
         "block_size_tokens": request.block_size_tokens,
         "enable_prefix_caching": request.enable_prefix_caching,
+        "sequences_per_step": request.prompts_per_step * request.group_size,
     }
     if request.tensor_parallel is not None:
         if request.tensor_parallel > total:
@@ -273,15 +279,27 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
             f"{gen_s(dedicated):.1f} s, training {train_s(n_trainer):.1f} s) per step "
             f"(searched trainer sizes {n_min}..{total - tp})"
         )
+    if dedicated == 0 and not colocated:
+        colocated = True  # static split without rollout accelerators: the engine lives on the trainer
+        reasons.append(
+            "no rollout accelerators: the engine is colocated on the trainer and sleeps during updates"
+        )
     if adaptive or colocated:
         shared = n_trainer // tp
         if adaptive and not colocated and request.rollout_accelerators is None and shared and dedicated > 1:
-            keep = max(1, dedicated - shared)
+            # Sleeping engines add capacity only while the trainer waits, so free a dedicated engine
+            # only while generation without any woken engine stays within ADAPTIVE_SLACK of the
+            # estimate's step: the freed accelerators are the scale-up reserve.
+            budget_s = ADAPTIVE_SLACK * max(gen_s(dedicated), train_s(n_trainer))
+            keep = dedicated
+            while keep > max(1, dedicated - shared) and gen_s(keep - 1) <= budget_s:
+                keep -= 1
             reasons.append(
-                f"adaptive: {shared} engine(s) start asleep on the trainer accelerators and wake when "
-                f"the trainer waits for data, so dedicated engines drop from {dedicated} to {keep}; "
-                "the freed accelerators stay "
-                "idle for extra engines under sustained pressure"
+                f"adaptive: {shared} engine(s) start asleep on the trainer accelerators and wake when the "
+                f"trainer waits for data; dedicated engines {dedicated} -> {keep} (fewest whose generation "
+                f"{gen_s(keep):.1f} s stays within {ADAPTIVE_SLACK}x the estimate step "
+                f"{budget_s / ADAPTIVE_SLACK:.1f} s "
+                "with no engine woken); freed accelerators stay idle for extra engines under pressure"
             )
             dedicated = keep
         elif adaptive:
@@ -297,6 +315,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         lora=request.lora,
         lora_rank=request.lora_rank,
         sleeping_engine=adaptive or colocated,
+        device=device,
     )
     generation = gen_s(dedicated if dedicated else shared)
     training = train_s(n_trainer)

@@ -23,9 +23,12 @@ def preset_names() -> tuple[str, ...]:
 
 
 def load_preset(name: str) -> dict[str, Any]:
-    """The config dict of preset ``name``; raises ``EstimatorError`` listing valid names."""
+    """The config dict of preset ``name`` (or a Hugging Face id such as ``Qwen/Qwen3.5-4B``).
+
+    Raises ``EstimatorError`` (reason ``UnknownPreset``) listing the valid names.
+    """
     names = preset_names()
-    key = name.lower()
+    key = name.lower().rsplit("/", 1)[-1]  # Hugging Face ids work too: "Qwen/Qwen3-8B" -> "qwen3-8b"
     if key not in names:
         raise errors.EstimatorError(
             "preset", f"unknown preset {name!r}; valid: {', '.join(names)}", "UnknownPreset"

@@ -49,6 +49,8 @@ TP_COMM_BYTES = GIB // 2
 #: 4-32B models at default capture sizes; we take 256 MiB plus 8 MiB per layer (0.5 GiB at 32 layers).
 CUDA_GRAPH_BASE_BYTES = 256 * MIB
 CUDA_GRAPH_BYTES_PER_LAYER = 8 * MIB
+#: CPU engines/trainers (tests, local demo): Python + allocator slack only.
+CPU_RUNTIME_BYTES = 256 * MIB
 #: Upper bound on max_num_seqs: beyond this a decode step is compute-bound and CUDA graphs stop.
 MAX_NUM_SEQS_CAP = 1024
 #: The smallest batch worth a dedicated engine when choosing tensor parallel.
@@ -158,8 +160,17 @@ def estimate_activation_bytes(
     return max_num_batched_tokens * per_token + logits
 
 
-def runtime_overhead_bytes(model: geometry.ModelGeometry, tensor_parallel: int) -> int:
-    """Documented allowance for non-torch memory, TP communication buffers and CUDA graphs."""
+def runtime_overhead_bytes(
+    model: geometry.ModelGeometry, tensor_parallel: int, device: devices.DeviceSpec | None = None
+) -> int:
+    """Documented allowance for non-torch memory, TP communication buffers and CUDA graphs.
+
+    A device entry may override it (``runtime_overhead_bytes``); CPU devices get ``CPU_RUNTIME_BYTES``.
+    """
+    if device is not None and device.runtime_overhead_bytes is not None:
+        return device.runtime_overhead_bytes
+    if device is not None and device.is_cpu:
+        return CPU_RUNTIME_BYTES
     comm = TP_COMM_BYTES if tensor_parallel > 1 else 0
     graphs = CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_BYTES_PER_LAYER * model.num_hidden_layers
     return RUNTIME_BASE_BYTES + comm + graphs
@@ -214,6 +225,7 @@ def size_engine(
     max_num_batched_tokens: int | None = None,
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
     enable_prefix_caching: bool = True,
+    sequences_per_step: int | None = None,
 ) -> EngineSizing:
     """Size one engine. Raises ``EstimatorError`` (ModelDoesNotFit / KVCacheTooSmall) when it cannot run."""
     if not model.supports_tensor_parallel(tensor_parallel):
@@ -239,7 +251,7 @@ def size_engine(
     )
     requested = int(device.memory_bytes * gpu_memory_utilization)
     weights = model.weight_bytes_per_rank(tp)
-    overhead = runtime_overhead_bytes(model, tp)
+    overhead = runtime_overhead_bytes(model, tp, device)
     reasons: list[str] = []
     if weights + overhead >= requested:
         raise errors.EstimatorError(
@@ -254,15 +266,17 @@ def size_engine(
     # max_num_seqs (sampler logits), so iterate from the largest values to a fixed point; the final
     # numbers are clamped to the values the activation was computed with, so they stay safe.
     per_seq_fn = layout.blocks_per_sequence
+    # An engine never holds more sequences than one step generates: cap there (and at MAX_NUM_SEQS_CAP).
+    seqs_cap = min(MAX_NUM_SEQS_CAP, sequences_per_step or MAX_NUM_SEQS_CAP)
     mnbt = max_num_batched_tokens or max_model_len
-    seqs = max_num_seqs or MAX_NUM_SEQS_CAP
+    seqs = max_num_seqs or seqs_cap
     for _ in range(8):
         activation = estimate_activation_bytes(model, tp, mnbt, seqs)
         kv_bytes = requested - weights - overhead - activation
         num_blocks = max(0, kv_bytes) // layout.bytes_per_block
         capacity_tokens, _ = kv_cache_capacity_tokens(layout, num_blocks, max_model_len, mnbt)
         fit_seqs = num_blocks // per_seq_fn(sequence_tokens, mnbt)
-        new_seqs = max_num_seqs or max(1, min(fit_seqs, MAX_NUM_SEQS_CAP))
+        new_seqs = max_num_seqs or max(1, min(fit_seqs, seqs_cap))
         new_mnbt = max_num_batched_tokens or max(min(max_model_len, capacity_tokens), new_seqs)
         if (new_mnbt, new_seqs) == (mnbt, seqs):
             break
@@ -287,7 +301,9 @@ def size_engine(
     per_seq = per_seq_fn(sequence_tokens, mnbt)
     if max_num_seqs is None:
         final_seqs = min(seqs, fit_seqs)
-        cap_note = f", capped at {MAX_NUM_SEQS_CAP}" if fit_seqs > MAX_NUM_SEQS_CAP else ""
+        cap_note = (
+            f", capped at {seqs_cap} (sequences per step / engine limit)" if fit_seqs > seqs_cap else ""
+        )
         reasons.append(
             f"max_num_seqs={final_seqs}: {num_blocks} blocks // {per_seq} blocks per sequence of "
             f"{sequence_tokens} tokens{cap_note}"

@@ -26,6 +26,8 @@ from rljob_operator.estimator import devices, errors, geometry
 GIB = 1 << 30
 #: CUDA context + NCCL buckets + allocator fragmentation on a training rank.
 TRAINER_RUNTIME_BYTES = 3 * GIB
+#: A CPU trainer rank (gloo, tests and the local demo): Python + allocator slack.
+CPU_TRAINER_RUNTIME_BYTES = 256 * (1 << 20)
 #: What a vLLM engine in sleep mode (level 1) keeps resident: CUDA context and graph pools.
 SLEEPING_ENGINE_BYTES = 1 * GIB
 
@@ -68,6 +70,7 @@ def trainer_memory(
     lora: bool = False,
     lora_rank: int = 64,
     sleeping_engine: bool = False,
+    device: devices.DeviceSpec | None = None,
 ) -> TrainerMemory:
     """Per-accelerator memory of an FSDP2 update over ``accelerators`` ranks."""
     if accelerators < 1:
@@ -90,7 +93,12 @@ def trainer_memory(
     one_layer = tokens * elem * (16 * h + 4 * mlp_width)
     logits = tokens * model.vocab_size * (4 + 4)
     activation = boundaries + one_layer + logits
-    runtime = TRAINER_RUNTIME_BYTES + (SLEEPING_ENGINE_BYTES if sleeping_engine else 0)
+    if device is not None and device.runtime_overhead_bytes is not None:
+        runtime = device.runtime_overhead_bytes
+    elif device is not None and device.is_cpu:
+        runtime = CPU_TRAINER_RUNTIME_BYTES  # no CUDA context, NCCL or sleeping-engine residue
+    else:
+        runtime = TRAINER_RUNTIME_BYTES + (SLEEPING_ENGINE_BYTES if sleeping_engine else 0)
     return TrainerMemory(
         accelerators=accelerators,
         sharded_state_bytes=sharded,
@@ -135,6 +143,7 @@ def min_trainer_accelerators(
             lora=lora,
             lora_rank=lora_rank,
             sleeping_engine=sleeping_engine,
+            device=device,
         )
         last = mem
         if mem.total_bytes <= budget:
