@@ -508,11 +508,14 @@ class GRPODriver:
         metrics["busy_mean"] = report.mean_busy
         metrics["inflight_request_seconds"] = load.inflight_request_seconds
         metrics["engine_seconds"] = load.engine_seconds
+        targets = None
         if self.sink is not None:
             self.sink.publish(self.state.history, metrics)
             targets = self.sink.read_targets() if self.cfg.telemetry.read_targets else None
-            if targets is not None:
-                self.apply_targets(targets)
+        if targets is not None:
+            self.apply_targets(targets)
+        else:
+            self._reconcile_dedicated()  # a rollout pod that joined since the last sync gets its engine
 
     def apply_targets(self, targets: telemetry_sink.EngineTargets) -> None:
         """Follow the operator's desired counts (None leaves a count as it is)."""

@@ -1,0 +1,33 @@
+"""The driver follows the operator's engine targets (status.rollout) at sync points (in-process runtime)."""
+
+from __future__ import annotations
+
+import pytest
+from trainer_configs import toy_config
+
+from rljob_trainer import driver, telemetry_sink
+
+pytestmark = [pytest.mark.torch]
+
+
+def test_driver_adds_drops_and_wakes_engines_to_match_targets():
+    cfg = toy_config(
+        grpo={"maxSteps": 3, "promptsPerStep": 4},
+        rollout={"sharedEngines": 1, "dedicatedEngines": 1, "maxDedicatedEngines": 3},
+        distributed={"numTrainerRanks": 1, "launcher": "local"},
+    )
+    d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
+    d.setup()
+    assert sorted(d.engines) == ["dedicated-0", "shared-0"]
+    m = d.step()
+    assert m["engine_seconds"] > 0 and d.state.history[-1].dedicated_engines == 1
+    d.apply_targets(telemetry_sink.EngineTargets(desired_shared_awake=1, desired_dedicated_engines=5))
+    assert sorted(d.engines) == ["dedicated-0", "dedicated-1", "dedicated-2", "shared-0"]  # capped at 3
+    assert d.engines["dedicated-2"].handle.obj.weights_version == 1  # new engines get current weights
+    d.step()
+    assert d.state.history[-1].shared_engines_awake == 1
+    assert d.engines["shared-0"].handle.obj.is_sleeping  # asleep again after generating
+    d.apply_targets(telemetry_sink.EngineTargets(desired_shared_awake=0, desired_dedicated_engines=0))
+    assert sorted(d.engines) == ["shared-0"]
+    m = d.step()  # with no dedicated engine the shared one generates
+    assert m["step"] == 3 and m["engine_seconds"] > 0
