@@ -1,0 +1,125 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "rljob.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's full name; ClusterRoles are named after it, so two releases never collide. */}}
+{{- define "rljob.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rljob.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rljob.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rljob.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rljob.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "rljob.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "rljob.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "rljob.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The watched namespace, or "" for all namespaces. */}}
+{{- define "rljob.watchNamespace" -}}
+{{- $ns := .Values.watchNamespaces | default list -}}
+{{- if gt (len $ns) 1 -}}
+{{- fail (printf "watchNamespaces: `rljob operator` watches one namespace or all; got %d (%s). Install one release per namespace, or leave it empty for all namespaces." (len $ns) (join ", " $ns)) -}}
+{{- end -}}
+{{- if $ns }}{{ first $ns }}{{ end -}}
+{{- end -}}
+
+{{/*
+The operator's RBAC, derived from what operator/rljob_operator/handlers.py and kopf call (kopf runs
+standalone: no peering objects). tests/integration/test_helm_chart.py runs `rljob operator` under
+these rules alone and checks that it reconciles an RLJob, and that nothing else is allowed.
+
+Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespace by a Role.
+*/}}
+{{- define "rljob.namespacedRules" -}}
+# RLJobs: kopf lists and watches them and patches its annotations and finalizer; the TTL after a
+# finished job deletes it. `get` is not called, but every job's Role grants `get` on its RLJob,
+# and RBAC escalation prevention lets the operator grant only what it holds itself.
+- apiGroups: [rljob.io]
+  resources: [rljobs]
+  verbs: [get, list, watch, patch, delete]
+# Status goes through the status subresource (Kube.patch_status).
+- apiGroups: [rljob.io]
+  resources: [rljobs/status]
+  verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion (kopf.adopt). Clusters that enable the
+# OwnerReferencesPermissionEnforcement admission plugin (e.g. OpenShift) require `update` on the
+# owner's finalizers subresource to set it.
+- apiGroups: [rljob.io]
+  resources: [rljobs/finalizers]
+  verbs: [update]
+# Pods: watched through a kopf index (no get), created in index order, deleted on restart,
+# scale-down and finish. Never patched.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, create, delete]
+# ConfigMaps: `<job>-config` is created and patched when the spec changes; a model config is read
+# from a configMapRef (get); telemetry ConfigMaps are watched through a kopf index (list, watch).
+# `update` is never called: each job's Role grants `update` on its own `<job>-telemetry`
+# (docs/contracts.md §3), and escalation prevention requires the operator to hold it. That is the
+# least-privileged choice: the alternative, `escalate` on roles, would let the operator write any
+# Role (and with `create` on rolebindings, grant itself anything in the namespace).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, update]
+# A job's headless Service and ServiceAccount: created once (AlreadyExists is success), deleted by
+# the garbage collector through their owner reference.
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [create]
+# A job's Role and RoleBinding: created once. Creating them passes RBAC escalation prevention
+# because the operator holds every rule the job's Role grants (configmaps get/patch/update,
+# rljobs get); no `bind` or `escalate`.
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [create]
+# Events on RLJobs (kopf.event / kopf.warn post core/v1 Events; never patched).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* Cluster-scoped reads, needed in every mode. */}}
+{{- define "rljob.clusterRules" -}}
+# Nodes: a kopf index of labels, taints and allocatable resources for the capacity check.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list, watch]
+# kopf watches CRDs so that the RLJob CRD being installed or upgraded after the operator started is
+# noticed without a restart (without it kopf warns and only rescans on restart). Resource
+# discovery itself uses /api and /apis, open to every authenticated user.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- if include "rljob.watchNamespace" . }}
+# With a namespace list kopf lists and watches namespaces to follow them being created and deleted.
+# Denied, it retries for about a minute (logging 403 errors) before it falls back to the names as
+# given. All-namespaces mode never reads namespaces, so it gets no such rule.
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
+{{- end -}}
