@@ -32,8 +32,21 @@ sys.path.insert(0, str(REPO / "tests"))
 from testenv.cluster import LocalCluster  # noqa: E402
 
 NAMESPACE = "bench"
+LOG = Path(os.environ.get("RLJOB_BENCH_LOG", "/tmp/rljob-bench-operator.log"))
 CHILD_RESOURCES = {"rljobs", "pods", "configmaps", "services", "serviceaccounts", "roles", "rolebindings"}
 _METRIC_RE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+}
 
 
 def rljob(name: str) -> dict[str, Any]:
@@ -42,7 +55,7 @@ def rljob(name: str) -> dict[str, Any]:
         "kind": "RLJob",
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
-            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": {"model_type": "llama"}}},
+            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": TINY_CONFIG}},
             "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
             "resources": {
                 "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
@@ -121,26 +134,42 @@ def main() -> int:
         )
         argv = [sys.executable, "-m", "kopf", "run", "--standalone", "--quiet", "--namespace", NAMESPACE,
                 "-m", "rljob_operator.handlers"]  # fmt: skip
-        log = open(cluster.workdir / "operator.log", "w")  # noqa: SIM115 - lives as long as the process
+        log = open(LOG, "w")  # noqa: SIM115 - lives as long as the process
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        api = client.ApiClient()
-        from kubernetes import config
-
-        config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=api.configuration)
+        api = cluster.api_client()
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
         seen: dict[str, float] = {}
         stop = threading.Event()
         ready = threading.Event()
 
-        def watch_pods() -> None:
-            w = watch.Watch()
-            ready.set()
-            for ev in w.stream(core.list_namespaced_pod, NAMESPACE, timeout_seconds=int(args.timeout)):
-                if ev["type"] == "ADDED":
-                    seen.setdefault(ev["object"].metadata.name, time.monotonic())
-                if stop.is_set():
-                    w.stop()
+        def watch_pods() -> None:  # first-seen time of every pod; reconnects when a stream ends
+            resource_version = None
+            while not stop.is_set():
+                try:
+                    if resource_version is None:
+                        listing = core.list_namespaced_pod(NAMESPACE)
+                        for pod in listing.items:
+                            seen.setdefault(pod.metadata.name, time.monotonic())
+                        resource_version = listing.metadata.resource_version
+                        ready.set()
+                    w = watch.Watch()
+                    for ev in w.stream(
+                        core.list_namespaced_pod,
+                        NAMESPACE,
+                        resource_version=resource_version,
+                        timeout_seconds=30,
+                    ):
+                        obj = ev["object"]
+                        if ev["type"] == "ADDED":
+                            seen.setdefault(obj.metadata.name, time.monotonic())
+                        if ev["type"] != "ERROR":
+                            resource_version = obj.metadata.resource_version
+                        if stop.is_set():
+                            w.stop()
+                except Exception:  # expired or dropped watch: list again
+                    resource_version = None
+                    time.sleep(0.2)
 
         watcher = threading.Thread(target=watch_pods, daemon=True)
         watcher.start()
@@ -153,7 +182,7 @@ def main() -> int:
             deadline = time.monotonic() + 120
             while not {"warmup-trainer-0", "warmup-rollout-0"} <= seen.keys():
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"operator did not start; see {cluster.workdir / 'operator.log'}")
+                    raise RuntimeError(f"operator did not start; see {LOG}")
                 time.sleep(0.2)
             time.sleep(2)
             api_before = apiserver_requests(cluster)

@@ -585,11 +585,10 @@ async def _apply_children(ctx: _Ctx, config_map: dict[str, Any], config_hash: st
         builders.build_headless_service(job),
         builders.build_telemetry_config_map(job),  # create-only: the driver owns its data
     ]
-    for obj in children:
+    for obj in [*children, config_map]:
         kopf.adopt(obj, owner=ctx.body)
-        await kube.create(obj)
-    kopf.adopt(config_map, owner=ctx.body)
-    await kube.apply_config_map(config_map)
+    # Independent objects: create them concurrently (each is idempotent on its own).
+    await asyncio.gather(*(kube.create(obj) for obj in children), kube.apply_config_map(config_map))
     cache.applied = config_hash
 
 
