@@ -43,7 +43,7 @@ def test_grpo_advantages_match_reference(items, norm):
         min_size=1,
         max_size=40,
     ),
-    st.sampled_from(["seq-mean-token-mean", "token-mean"]),
+    st.sampled_from(["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]),
 )
 def test_clipped_loss_and_aggregation_match_reference(rows, mode):
     lp, olp, adv, seq, m = (list(c) for c in zip(*rows, strict=True))
@@ -54,7 +54,7 @@ def test_clipped_loss_and_aggregation_match_reference(rows, mode):
     )
     ref = algos.clipped_policy_loss_reference(lp, olp, adv, clip_low=0.2, clip_high=0.28)
     assert per_tok.tolist() == pytest.approx(ref, rel=1e-9, abs=1e-9)
-    kw = {"mode": mode, "global_num_seqs": 7, "global_num_tokens": 50}
+    kw = {"mode": mode, "global_num_seqs": 7, "global_num_tokens": 50, "token_sum_norm": 16}
     fast = algos.aggregate_loss(per_tok, torch.tensor(mask, dtype=torch.float64), torch.tensor(seq), **kw)
     slow = algos.aggregate_loss_reference(ref, mask, seq, **kw)
     assert fast.item() == pytest.approx(slow, rel=1e-9, abs=1e-12)
@@ -84,6 +84,29 @@ def test_per_sequence_mean_is_split_invariant():
     a = algos.aggregate_loss(vals[:5], mask[:5], seq[:5], **kw)
     b = algos.aggregate_loss(vals[5:], mask[5:], seq[5:] - 2, **kw)
     assert (a + b).item() == pytest.approx(whole.item())
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_per_sequence_aggregations_are_split_invariant(mode):
+    torch.manual_seed(1)
+    vals, mask = torch.randn(10), torch.ones(10)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    kw = {"mode": mode, "global_num_seqs": 4, "global_num_tokens": 10, "token_sum_norm": 8}
+    whole = algos.aggregate_loss(vals, mask, seq, **kw)
+    parts = algos.aggregate_loss(vals[:5], mask[:5], seq[:5], **kw) + algos.aggregate_loss(
+        vals[5:], mask[5:], seq[5:] - 2, **kw
+    )
+    assert parts.item() == pytest.approx(whole.item())
+
+
+def test_token_sum_norm_weighs_long_sequences_by_their_length():
+    # Dr. GRPO: a 4-token and a 1-token sequence with equal per-token loss contribute 4:1.
+    vals, mask, seq = torch.ones(5), torch.ones(5), torch.tensor([0, 0, 0, 0, 1])
+    kw = {"mode": "seq-mean-token-sum-norm", "global_num_seqs": 2, "global_num_tokens": 5}
+    loss = algos.aggregate_loss(vals, mask, seq, token_sum_norm=4, **kw)
+    assert loss.item() == pytest.approx((4 / 4 + 1 / 4) / 2)
+    with pytest.raises(ValueError, match="token_sum_norm"):
+        algos.aggregate_loss(vals, mask, seq, **kw)
 
 
 def test_kl_estimators():

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
-LossAgg = Literal["seq-mean-token-mean", "token-mean"]
+LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
 
 # ---- registries ----------------------------------------------------------------------------------
@@ -186,6 +186,7 @@ def aggregate_loss(
     mode: LossAgg,
     global_num_seqs: int,
     global_num_tokens: int,
+    token_sum_norm: int | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the global-batch loss (a scalar).
 
@@ -194,6 +195,9 @@ def aggregate_loss(
     micro-batches and ranks gives exactly the per-sequence mean over the global batch and DP
     balancing (which only moves sequences) leaves the gradient unchanged.
     token-mean: Σ l·m / global_num_tokens.
+    seq-mean-token-sum-norm (Dr. GRPO): Σ_seq (Σ_t l·m / token_sum_norm) / global_num_seqs with a
+    constant `token_sum_norm` (the completion-length cap), so long answers are not down-weighted
+    per token; like seq-mean-token-mean it is a sum over sequences, hence DP-balance invariant.
     """
     if global_num_seqs < 1 or global_num_tokens < 1:
         raise ValueError("global_num_seqs and global_num_tokens must be >= 1")
@@ -205,7 +209,17 @@ def aggregate_loss(
         seq_sum = torch.zeros(n, dtype=lm.dtype, device=lm.device).index_add(0, seq_ids, lm)
         seq_len = torch.zeros(n, dtype=lm.dtype, device=lm.device).index_add(0, seq_ids, mask.to(lm.dtype))
         return (seq_sum / seq_len.clamp(min=1.0)).sum() / global_num_seqs
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: seq-mean-token-mean, token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        return lm.sum() / (_token_sum_norm(token_sum_norm) * global_num_seqs)
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; valid: seq-mean-token-mean, token-mean, seq-mean-token-sum-norm"
+    )
+
+
+def _token_sum_norm(token_sum_norm: int | None) -> int:
+    if token_sum_norm is None or token_sum_norm < 1:
+        raise ValueError("seq-mean-token-sum-norm needs token_sum_norm >= 1 (the completion-length cap)")
+    return token_sum_norm
 
 
 def aggregate_loss_reference(
@@ -216,10 +230,17 @@ def aggregate_loss_reference(
     mode: LossAgg,
     global_num_seqs: int,
     global_num_tokens: int,
+    token_sum_norm: int | None = None,
 ) -> float:
     """Slow reference of `aggregate_loss`."""
     if mode == "token-mean":
         return sum(v * m for v, m in zip(per_token, mask, strict=True)) / global_num_tokens
+    if mode == "seq-mean-token-sum-norm":
+        norm = _token_sum_norm(token_sum_norm)
+        per_seq: dict[int, float] = {}
+        for v, m, s in zip(per_token, mask, seq_ids, strict=True):
+            per_seq[s] = per_seq.get(s, 0.0) + v * m / norm
+        return sum(per_seq.values()) / global_num_seqs
     sums: dict[int, float] = {}
     lens: dict[int, float] = {}
     for v, m, s in zip(per_token, mask, seq_ids, strict=True):

@@ -136,10 +136,12 @@ class GRPOSettings(_Model):
     weight_decay: float = Field(0.0, ge=0)
     adv_estimator: str = Field("grpo", description="Advantage estimator name (rljob_trainer.algos registry).")
     policy_loss: str = Field("clipped", description="Policy loss name (rljob_trainer.algos registry).")
-    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = Field(
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = Field(
         "seq-mean-token-mean",
         description="seq-mean-token-mean: mean over each sequence's tokens, then mean over sequences "
-        "of the global batch; token-mean: mean over all tokens of the global batch.",
+        "of the global batch; token-mean: mean over all tokens of the global batch; "
+        "seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum divided by the completion cap, "
+        "then mean over sequences.",
     )
     norm_adv_by_std: bool = Field(True, description="Divide group-centred rewards by the group std.")
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below: 1 - clip_low.")

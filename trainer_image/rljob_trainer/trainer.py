@@ -346,6 +346,7 @@ class TrainingRank:
             "mode": g.loss_agg,
             "global_num_seqs": mb_batch.global_num_seqs,
             "global_num_tokens": mb_batch.global_num_response_tokens,
+            "token_sum_norm": self.cfg.lengths.max_response_tokens,
         }
         per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high)
         pg = algos.aggregate_loss(per_tok, mask, seq_ids, **agg)
