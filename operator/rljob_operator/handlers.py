@@ -38,7 +38,7 @@ import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rljob_operator import api, builders, errors, metrics, names, policy, reconcile, status
+from rljob_operator import api, builders, errors, metrics, names, planning, policy, reconcile, status
 from rljob_operator.estimator import errors as estimator_errors
 from rljob_operator.estimator import presets
 from rljob_trainer import telemetry
@@ -548,19 +548,14 @@ def plan_status_from_resource_plan(plan: Any) -> api.PlanStatus:
 
 
 def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
-    """The estimator through `planning.plan_job` when present; else the static placeholder."""
-    try:
-        from rljob_operator import planning  # the spec → PlanRequest adapter (another module's owner)
-    except ImportError:
-        return builders.placeholder_static_plan(spec)
+    """The estimator's plan (`planning.plan_job`: spec → PlanRequest → ResourcePlan) as a PlanStatus."""
     try:
         return plan_status_from_resource_plan(planning.plan_job(spec, model_config))
     except estimator_errors.EstimatorError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
-        raise errors.ModelDoesNotFitError(
-            "spec.resources", f"the estimator could not plan this job: {exc}"
-        ) from exc
+        message = f"the estimator could not plan this job: {exc}"
+        raise errors.ModelDoesNotFitError("spec.resources", message) from exc
 
 
 async def _plan(ctx: _Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:

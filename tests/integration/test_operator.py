@@ -82,6 +82,24 @@ def pool(cluster: Any) -> Callable[..., str]:
     cluster.delete_nodes(added)
 
 
+@pytest.fixture
+def operator_identity(cluster: Any, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run the operator as a ServiceAccount bound to the operator ClusterRole (builders.rbac), not admin."""
+    from rljob_operator.builders import rbac
+
+    name = f"rljob-operator-{namespace}"[:63]
+    cluster.kubectl("create", "serviceaccount", "rljob-operator", "-n", namespace)
+    role = rbac.build_operator_cluster_role(name)
+    binding = rbac.build_operator_cluster_role_binding(name, "rljob-operator", namespace, role=name)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, binding]))
+    token = cluster.kubectl(
+        "create", "token", "rljob-operator", "-n", namespace, "--duration=1h"
+    ).stdout.strip()
+    monkeypatch.setenv("KUBECONFIG", str(cluster.token_kubeconfig(token, name)))
+    yield name
+    cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
+
+
 @contextmanager
 def operator(namespace: str) -> Iterator[KopfRunner]:
     args = ["run", "--standalone", "--namespace", namespace, "-m", HANDLERS_MODULE]
@@ -159,8 +177,9 @@ def running_pods(cluster: Any, namespace: str, job: str, count: int) -> Callable
 
 # ---- tests ---------------------------------------------------------------------------------------
 def test_rljob_becomes_placed_pods_with_owner_refs_and_status(
-    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], operator_identity: str
 ) -> None:
+    """Also proves the operator's ClusterRole suffices: the operator runs as its ServiceAccount."""
     pool_name = pool(3)
     with operator(namespace):
         apply(cluster, namespace, rljob("demo", pool_name))

@@ -86,7 +86,9 @@ def compute_layout(
 
 
 def placeholder_static_plan(spec: api.RLJobSpec) -> api.PlanStatus:
-    """PLACEHOLDER until the estimator is wired in: read the explicit split of `spec.resources.static`.
+    """A plan without the estimator (tests, offline examples): the explicit `spec.resources.static` split.
+
+    The operator plans with the estimator (`planning.plan_job`); this stays as a reference.
 
     Without a static split (modes estimate/adaptive), give the trainer one node and the rest to
     dedicated engines. No KV arithmetic: maxNumSeqs/maxNumBatchedTokens stay unset.
