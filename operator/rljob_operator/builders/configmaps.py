@@ -43,7 +43,8 @@ def _model_settings(spec: api.RLJobSpec, model_config: dict[str, Any] | None) ->
             raise errors.InvalidSpecError(
                 "spec.model.config", "a tiny model is built from its config.json: set spec.model.config"
             )
-        out.update(source="tiny", tokenizer="builtin-char")
+        tokenizer = src.tiny.tokenizer if src.tiny is not None else "builtin-char"
+        out.update(source="tiny", tokenizer=tokenizer)
     if model_config:
         out["hf_config"] = dict(model_config)
     lora = m.finetune.lora
