@@ -256,11 +256,21 @@ def test_config_map_renders_trainer_config() -> None:
     assert tele["metadata"]["name"] == "demo-telemetry" and json.loads(tele["data"]["reports.json"]) == []
 
 
-def test_config_rejects_what_the_trainer_cannot_run() -> None:
-    with pytest.raises(errors.InvalidSpecError, match="lossNormalization"):
-        builders.render_trainer_config(
-            make_spec(grpo={"lossNormalization": "sequenceSumNorm"}), api.PlanStatus(trainer_accelerators=8)
-        )
+def test_config_rejects_what_the_trainer_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = builders.render_trainer_config(
+        make_spec(grpo={"lossNormalization": "sequenceSumNorm"}),
+        api.PlanStatus(trainer_accelerators=8),
+        {"a": 1},
+    )
+    assert cfg.grpo.loss_agg == "seq-mean-token-sum-norm"
+    with monkeypatch.context() as m:
+        m.delitem(configmaps._LOSS_AGG, "tokenMean")
+        with pytest.raises(errors.InvalidSpecError, match="lossNormalization"):
+            builders.render_trainer_config(
+                make_spec(grpo={"lossNormalization": "tokenMean"}),
+                api.PlanStatus(trainer_accelerators=8),
+                {"a": 1},
+            )
     with pytest.raises(errors.InvalidSpecError, match="hub"):
         builders.render_trainer_config(
             make_spec(data={"source": {"hub": {"id": "openai/gsm8k"}}}),

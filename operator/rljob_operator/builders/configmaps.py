@@ -24,7 +24,11 @@ DATA_MOUNT_DIR = "/data"
 DATA_CONFIGMAP_MOUNT_DIR = "/etc/rljob-data"
 HF_TOKEN_ENV = "HF_TOKEN"
 
-_LOSS_AGG = {"sequenceMean": "seq-mean-token-mean", "tokenMean": "token-mean"}
+_LOSS_AGG = {
+    "sequenceMean": "seq-mean-token-mean",
+    "tokenMean": "token-mean",
+    "sequenceSumNorm": "seq-mean-token-sum-norm",
+}
 _DEVICE = {"cpu": "cpu", "nvidia": "cuda", "amd": "cuda", "ascend": "npu"}
 
 
