@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     handlers.run_operator(
         None if args.all_namespaces else args.namespace,
         liveness_endpoint=args.liveness,
+        log_level=args.log_level,
     )
     return 0
 
@@ -192,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-n", "--namespace", help="watch one namespace")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)")
     op.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    op.add_argument(
+        "--log-level",
+        default=os.environ.get("RLJOB_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING"],
+        help="operator log level (default $RLJOB_LOG_LEVEL or INFO)",
+    )
     op.set_defaults(func=cmd_operator)
     return parser
 

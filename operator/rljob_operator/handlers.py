@@ -717,18 +717,25 @@ def _post(ctx: _Ctx, type_: str, reason: str, message: str) -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------------
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING")
+
+
 def run_operator(
     namespace: str | None = None,
     *,
     standalone: bool = True,
     liveness_endpoint: str | None = None,
+    log_level: str = "INFO",
 ) -> None:
     """Run the operator until interrupted: one namespace, or all namespaces when `namespace` is None.
 
     `rljob operator` calls this. Standalone (the default) skips kopf's peering (one replica;
     the Helm chart runs one).
     """
-    kopf.configure(verbose=False)
+    level = log_level.upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level {log_level!r}; valid: {', '.join(LOG_LEVELS)}")
+    kopf.configure(debug=level == "DEBUG", verbose=False, quiet=level == "WARNING")
     asyncio.run(
         kopf.operator(
             clusterwide=namespace is None,

@@ -273,7 +273,7 @@ def test_template_values_for_an_ascend_pool(cluster: Any, tmp_path: Path) -> Non
         "tolerations": [{"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}],
         "nodeSelector": {"node-role.kubernetes.io/system": "true"},
         "priorityClassName": "system-cluster-critical",
-        "operator": {"logLevel": "DEBUG", "defaultTrainerImage": "registry.local/rljob-trainer:ascend"},
+        "operator": {"logLevel": "DEBUG"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     }
     path = tmp_path / "values.yaml"
@@ -287,7 +287,6 @@ def test_template_values_for_an_ascend_pool(cluster: Any, tmp_path: Path) -> Non
     assert ctr["image"] == "registry.local/rljob-operator:dev" and ctr["imagePullPolicy"] == "Always"
     env = env_of(ctr)
     assert env["RLJOB_LOG_LEVEL"] == "DEBUG"
-    assert env["RLJOB_DEFAULT_TRAINER_IMAGE"] == "registry.local/rljob-trainer:ascend"
     monitor = one(docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
