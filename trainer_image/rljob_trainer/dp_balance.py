@@ -59,6 +59,8 @@ STRATEGY_CODES: dict[str, int] = {
     "original+swaps": 3,
     "karmarkar_karp+swaps": 4,
     "snake+swaps": 5,
+    "blocks": 6,
+    "blocks+swaps": 7,
 }
 
 # Relative slack for "strictly lighter": float sums of the same costs in another order differ by ulps.
@@ -182,6 +184,91 @@ def _strictly_less(new: float, old: float) -> bool:
     return new < old - _REL_EPS * max(1.0, abs(old))
 
 
+def padded_fixed_block_order(
+    lengths: Sequence[int], dp_size: int, micro_batch_size: int, cost: CostModel
+) -> list[list[int]] | None:
+    """Per-rank index lists built from whole padded micro-batches (fixed micro-batching, padded).
+
+    Why: a padded micro-batch costs its size times its longest sample, so the cheapest way to hold all
+    samples is micro-batches of consecutive lengths in sorted order (the blocks `lower_bound` uses);
+    per-sample balancers (KK, snake) mix lengths inside a rank and pay padding for it. Here the sorted
+    lengths are cut into the very micro-batches the ranks will run — each rank's sizes, smaller ones
+    on longer samples, as `microbatch.plan_micro_batches` forms them — and whole blocks are dealt to
+    ranks: equal-size Karmarkar–Karp on block costs per size class, then `refine_by_swaps` over blocks
+    (an additive problem: a rank's cost is exactly the sum of its blocks, since each rank re-forms
+    them when it sorts its own samples longest first). When every block has the same size this
+    reaches the block bound of `lower_bound` whenever the block partition is optimal.
+    Returns None when n is not divisible by dp_size.
+    """
+    n = len(lengths)
+    if n == 0 or n % dp_size:
+        return None
+    m = n // dp_size
+    k = math.ceil(m / micro_batch_size)
+    sizes = microbatch.balanced_group_sizes(m, k)  # one rank's sizes, smallest (longest samples) first
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    blocks: list[list[int]] = []
+    block_cost: list[float] = []
+    block_small: list[bool] = []
+    start = 0
+    for size in sorted(sizes * dp_size):
+        members = order[start : start + size]
+        blocks.append(members)
+        block_cost.append(cost.per_micro_batch + size * cost.sample_cost(lengths[members[0]]))
+        block_small.append(size == sizes[0])
+        start += size
+    small_per_rank = sizes.count(sizes[0])
+    small = [b for b in range(len(blocks)) if block_small[b]]
+    large = [b for b in range(len(blocks)) if not block_small[b]]
+    parts = _kk_blocks(small, block_cost, dp_size)
+    if large:
+        # Heaviest small-block part with the lightest large-block part.
+        parts.sort(key=lambda part: -sum(block_cost[b] for b in part))
+        large_parts = sorted(
+            _kk_blocks(large, block_cost, dp_size), key=lambda part: sum(block_cost[b] for b in part)
+        )
+        parts = [a + b for a, b in zip(parts, large_parts, strict=True)]
+
+    def evaluate(part: list[int]) -> float:
+        # A swap must keep each rank's mix of block sizes (its sample count and micro-batch sizes).
+        if sum(block_small[b] for b in part) != small_per_rank:
+            return math.inf
+        return sum(block_cost[b] for b in part)
+
+    parts = refine_by_swaps(parts, evaluate, block_cost, max_evaluations=4 * len(blocks) + 64)
+    return [sorted(i for b in part for i in blocks[b]) for part in parts]
+
+
+def _kk_blocks(indices: Sequence[int], block_cost: Sequence[float], dp_size: int) -> list[list[int]]:
+    parts = microbatch.karmarkar_karp([block_cost[b] for b in indices], dp_size, equal_size=True)
+    return [[indices[j] for j in part] for part in parts]
+
+
+def _fixed_rank_evaluator(
+    lengths: Sequence[int], spec: MicroBatchSpec, cost: CostModel, m: int, k: int
+) -> Callable[[list[int]], float]:
+    """Fast cost of a rank of exactly m samples under fixed micro-batching with k micro-batches.
+
+    Same value as `rank_cost` (up to float summation order): a fixed plan's micro-batches are the
+    rank's samples longest first cut into `balanced_group_sizes(m, k)`, so a padded rank costs
+    k·per_micro_batch + Σ size·w(first sample of each micro-batch), and a packed one
+    k·per_micro_batch + Σ w. Avoids building micro-batch lists on every swap the refinement tries.
+    """
+    overhead = k * cost.per_micro_batch
+    weights = [cost.sample_cost(length) for length in lengths]
+    if spec.packed:
+        return lambda group: overhead + sum(weights[i] for i in group)
+    heads = _fixed_heads(m, k)
+
+    def evaluate(group: list[int]) -> float:
+        if len(group) != m:
+            return math.inf
+        desc = sorted((lengths[i] for i in group), reverse=True)
+        return overhead + sum(size * cost.sample_cost(desc[position]) for position, size in heads)
+
+    return evaluate
+
+
 def refine_by_swaps(
     groups: Sequence[Sequence[int]],
     evaluate: Callable[[list[int]], float],
@@ -287,18 +374,32 @@ def lower_bound(
     """A lower bound on the slowest rank's cost over every equal-size assignment of samples to ranks.
 
     Let w_i = cost.sample_cost(L_i), m = n / P, and k_min the fewest micro-batches every rank must run
-    (fixed: ceil(m / micro_batch_size); dynamic: ceil(Σ tokens / (P · cap)), since some rank holds at
-    least the average tokens and a micro-batch holds at most `cap`). Every rank pays k·per_micro_batch
-    with k >= k_min, and a micro-batch costs at least the Σ w_i of its samples (padding only adds), so
-    a rank costs at least k_min·per_micro_batch + Σ_{i in rank} w_i. The slowest rank is then at least:
-    - the average: Σ w / P;
-    - for every t: among the t heaviest samples some rank holds q = ceil(t / P); its cost is at least
-      the q lightest of those t plus the m − q lightest samples overall (t = 1 is "w_max + the m − 1
-      smallest"). Any m − q other samples weigh at least the m − q lightest, so this is valid.
-    For padded layouts the padded total is also bounded: any grouping of all samples into micro-batches
-    of at most s samples (fixed: s = ceil(m / k)) costs at least the optimal contiguous grouping of the
-    sorted lengths (exchange argument: filling groups in sorted order, heaviest max first, never raises
-    a group's max), with exactly P·k_min groups for fixed batching; the slowest rank is >= total / P.
+    (fixed: k = ceil(m / micro_batch_size), exactly; dynamic: ceil(Σ tokens / (P · cap)), since some
+    rank holds at least the average tokens and a micro-batch holds at most `cap`). Every rank pays
+    k·per_micro_batch with k >= k_min, and a micro-batch costs at least the Σ w_i of its samples
+    (padding only adds), so a rank costs at least k_min·per_micro_batch + Σ_{i in rank} w_i. The slowest
+    rank is then at least `_equal_count_bound` of the w_i (average; "among the t heaviest some rank
+    holds ceil(t / P), plus the lightest others").
+
+    Padded layouts add tighter terms (the padding any assignment must pay):
+    - fixed, every rank's k micro-batches the same size s = m / k (`_padded_fixed_block_bound`): cut
+      the lengths sorted longest first into P·k blocks of s; block i costs b_i = per_micro_batch +
+      s·w(its first, longest length). In any assignment, sort all P·k micro-batches by their longest
+      sample: the i-th one's longest is >= the block-i head (samples longer than it all sit in the
+      i − 1 micro-batches before it, at most (i − 1)·s of them), so its cost is >= b_i. Giving each
+      rank the blocks whose ranks (in that sorted order) its own micro-batches hold is an assignment
+      of blocks, k per rank, whose slowest rank is no slower. So the optimum is >= the best
+      k-per-rank partition of the b_i, bounded by `_equal_count_bound` (exact for k <= 2).
+    - fixed, any sizes (`_padded_fixed_order_bound`): a rank's cost is k·per_micro_batch + Σ_j s_j ·
+      w(its h_j-th longest), h_j the first position of its j-th micro-batch (the planner fills
+      micro-batches longest first), which never decreases when any sample gets longer. Some rank
+      holds q = ceil(t / P) of the t longest, so its p-th longest is >= l[t − q + p] for p < q, and
+      any m samples' p-th longest is >= l[n − m + p]; price those sorted vectors for every q.
+    - fixed, total: the cheapest grouping of all samples into P·k micro-batches of the ranks' sizes
+      is contiguous in sorted order (exchange argument); the slowest rank is >= total / P.
+    - dynamic: any plan groups all samples under the cap; the cheapest such grouping (with a
+      per_micro_batch charge per group) is contiguous in sorted order, and the slowest rank pays at
+      least its total / P.
     Returns 0.0 when n is not divisible by P (no equal-size assignment exists).
     """
     n = len(lengths)
@@ -312,24 +413,106 @@ def lower_bound(
     else:
         k_min = math.ceil(m / (spec.micro_batch_size or 1))
     overhead = k_min * cost.per_micro_batch
-    w = sorted((cost.sample_cost(length) for length in lengths), reverse=True)
-    ascending = w[::-1]
-    prefix_small = [0.0]
-    for value in ascending:
-        prefix_small.append(prefix_small[-1] + value)
-    best = sum(w) / dp_size
-    for t in range(1, n + 1):
-        q = math.ceil(t / dp_size)
-        if q > m:
-            break
-        best = max(best, sum(w[t - q : t]) + prefix_small[m - q])
-    bound = overhead + best
+    bound = overhead + _equal_count_bound([cost.sample_cost(length) for length in lengths], dp_size, m)
     if not spec.packed and not spec.dynamic:
-        bound = max(bound, _padded_fixed_total_bound(lengths, dp_size * k_min, cost) / dp_size + overhead)
+        bound = max(
+            bound,
+            _padded_fixed_total_bound(lengths, dp_size * k_min, cost) / dp_size + overhead,
+            _padded_fixed_order_bound(lengths, dp_size, k_min, cost),
+            _padded_fixed_block_bound(lengths, dp_size, k_min, cost),
+        )
     if not spec.packed and spec.dynamic and spec.max_tokens_per_micro_batch is not None:
         total = _padded_dynamic_total_bound(lengths, spec.max_tokens_per_micro_batch, cost)
         bound = max(bound, total / dp_size)
     return bound
+
+
+def _equal_count_bound(values: Sequence[float], parts: int, per_part: int) -> float:
+    """Lower bound on min over partitions of `values` into `parts` groups of exactly `per_part` of the
+    largest group sum (values >= 0, len(values) == parts · per_part).
+
+    - the average, Σ / parts;
+    - for every t: some group holds q = ceil(t / parts) of the t largest, so it weighs at least the q
+      smallest of those t plus the per_part − q smallest values overall (any per_part − q other values
+      weigh at least that much);
+    - per_part == 2: pairing the i-th largest with the i-th smallest is optimal (exchange argument),
+      so its largest pair is the exact optimum.
+    """
+    v = sorted(values, reverse=True)
+    if not v:
+        return 0.0
+    prefix = [0.0]  # prefix[i] = Σ v[:i]
+    for value in v:
+        prefix.append(prefix[-1] + value)
+    ascending_prefix = [0.0]  # Σ of the i smallest
+    for value in reversed(v):
+        ascending_prefix.append(ascending_prefix[-1] + value)
+    best = prefix[-1] / parts
+    # For a fixed q the smallest t = (q − 1)·parts + 1 gives the largest q-smallest-of-top-t sum.
+    for q in range(1, per_part + 1):
+        t = (q - 1) * parts + 1
+        best = max(best, prefix[t] - prefix[t - q] + ascending_prefix[per_part - q])
+    if per_part == 1:
+        best = max(best, v[0])
+    elif per_part == 2:
+        best = max(best, max(v[i] + v[len(v) - 1 - i] for i in range(parts)))
+    return best
+
+
+def _fixed_heads(m: int, k: int) -> list[tuple[int, int]]:
+    """(first position, size) of each micro-batch of a rank with m samples in k fixed micro-batches,
+    positions counted in the rank's longest-first order, as `microbatch.plan_micro_batches` forms them."""
+    heads: list[tuple[int, int]] = []
+    position = 0
+    for size in microbatch.balanced_group_sizes(m, k):
+        heads.append((position, size))
+        position += size
+    return heads
+
+
+def _padded_fixed_order_bound(lengths: Sequence[int], dp_size: int, k: int, cost: CostModel) -> float:
+    # See `lower_bound`: price, for each q, the sorted vector every rank holding q of the
+    # (q − 1)·P + 1 longest samples dominates, with the trainer's head positions.
+    n = len(lengths)
+    m = n // dp_size
+    desc = sorted(lengths, reverse=True)
+    heads = _fixed_heads(m, k)
+    best = 0.0
+    for q in range(1, m + 1):
+        t = (q - 1) * dp_size + 1
+        total = k * cost.per_micro_batch
+        for position, size in heads:
+            index = n - m + position
+            if position < q:
+                index = min(index, t - q + position)
+            total += size * cost.sample_cost(desc[index])
+        best = max(best, total)
+    return best
+
+
+def _padded_fixed_block_bound(lengths: Sequence[int], dp_size: int, k: int, cost: CostModel) -> float:
+    # See `lower_bound`: only when every micro-batch of every rank has the same size s = m / k.
+    blocks = _padded_fixed_blocks(lengths, dp_size, k, cost)
+    if blocks is None:
+        return 0.0
+    return _equal_count_bound([c for _, c in blocks], dp_size, k)
+
+
+def _padded_fixed_blocks(
+    lengths: Sequence[int], dp_size: int, k: int, cost: CostModel
+) -> list[tuple[list[int], float]] | None:
+    """The P·k blocks of s = m / k consecutive samples in longest-first order, with their padded cost;
+    None when m is not a multiple of k (the ranks' micro-batches differ in size)."""
+    n = len(lengths)
+    m = n // dp_size
+    if k < 1 or m % k:
+        return None
+    size = m // k
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    return [
+        (order[start : start + size], cost.per_micro_batch + size * cost.sample_cost(lengths[order[start]]))
+        for start in range(0, n, size)
+    ]
 
 
 def _padded_dynamic_total_bound(lengths: Sequence[int], max_tokens: int, cost: CostModel) -> float:
@@ -521,10 +704,16 @@ def plan_dp_balance(
         "karmarkar_karp": _groups_to_permutation(karmarkar_karp_equal_size(weights, dp_size)),
         "snake": _groups_to_permutation(snake_order(lengths, dp_size)),
     }
+    if not micro_batch.packed and not micro_batch.dynamic and micro_batch.micro_batch_size is not None:
+        blocks = padded_fixed_block_order(lengths, dp_size, micro_batch.micro_batch_size, cost)
+        if blocks is not None:
+            candidates["blocks"] = _groups_to_permutation(blocks)
     scored = {name: score(perm) for name, perm in candidates.items()}
     original_costs = scored["original"]
+    bound = lower_bound(lengths, dp_size, micro_batch=micro_batch, cost=cost)
+    at_bound = min(max(c) for c in scored.values()) <= bound * (1 + _REL_EPS)
 
-    if refine and dp_size > 1:
+    if refine and dp_size > 1 and not at_bound:
         # Refine the two best distinct starting points; the shared micro-batch count of the start is
         # kept fixed during the search (swaps that would need more micro-batches evaluate to inf) and
         # the result is re-simulated from scratch below.
@@ -537,6 +726,8 @@ def plan_dp_balance(
             def evaluate(group: list[int], k: int = k) -> float:
                 return rank_cost([lengths[i] for i in group], micro_batch, cost, k)
 
+            if not micro_batch.dynamic:
+                evaluate = _fixed_rank_evaluator(lengths, micro_batch, cost, m, k)
             refined = _groups_to_permutation(refine_by_swaps(groups, evaluate, weights))
             candidates[f"{name}+swaps"] = refined
             scored[f"{name}+swaps"] = score(refined)
