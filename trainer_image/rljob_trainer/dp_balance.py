@@ -397,9 +397,13 @@ def lower_bound(
       any m samples' p-th longest is >= l[n − m + p]; price those sorted vectors for every q.
     - fixed, total: the cheapest grouping of all samples into P·k micro-batches of the ranks' sizes
       is contiguous in sorted order (exchange argument); the slowest rank is >= total / P.
-    - dynamic: any plan groups all samples under the cap; the cheapest such grouping (with a
-      per_micro_batch charge per group) is contiguous in sorted order, and the slowest rank pays at
-      least its total / P.
+    - dynamic (`_padded_dynamic_bound`): any plan groups each rank's samples under the cap, so the
+      ranks together run at least G_min micro-batches (the greedy contiguous count of all sorted
+      lengths) and each runs the same k >= ceil(G_min / P). The cheapest capped grouping, with a
+      per_micro_batch charge per group, is contiguous in sorted order; with at least P·k groups in
+      total (Lagrangian relaxation of the count) it bounds the total, hence the slowest rank by
+      total / P; with at least k groups on the sorted vector a rank holding q of the
+      (q − 1)·P + 1 longest dominates, it bounds one rank.
     Returns 0.0 when n is not divisible by P (no equal-size assignment exists).
     """
     n = len(lengths)
@@ -422,8 +426,7 @@ def lower_bound(
             _padded_fixed_block_bound(lengths, dp_size, k_min, cost),
         )
     if not spec.packed and spec.dynamic and spec.max_tokens_per_micro_batch is not None:
-        total = _padded_dynamic_total_bound(lengths, spec.max_tokens_per_micro_batch, cost)
-        bound = max(bound, total / dp_size)
+        bound = max(bound, _padded_dynamic_bound(lengths, dp_size, spec.max_tokens_per_micro_batch, cost))
     return bound
 
 
@@ -515,11 +518,21 @@ def _padded_fixed_blocks(
     ]
 
 
-def _padded_dynamic_total_bound(lengths: Sequence[int], max_tokens: int, cost: CostModel) -> float:
-    # Min over contiguous groupings of the sorted lengths, each group within the padded cap
-    # (|g| · max <= cap), of Σ (per_micro_batch + |g| · w(max of g)). Any real plan groups all samples
-    # under the cap (in however many groups), so its total is at least this.
-    desc = sorted(lengths, reverse=True)
+def _padded_min_groups(desc: Sequence[int], max_tokens: int) -> int:
+    # Fewest padded micro-batches under the cap for lengths sorted longest first: greedy, each
+    # micro-batch as large as its head allows. Any capped grouping can be made contiguous in sorted
+    # order without raising a head (exchange argument), and greedy stays ahead among contiguous ones.
+    count = position = 0
+    while position < len(desc):
+        position += max(1, max_tokens // max(1, desc[position]))
+        count += 1
+    return count
+
+
+def _padded_grouping_cost(desc: Sequence[int], max_tokens: int, cost: CostModel, charge: float) -> float:
+    # Min over contiguous groupings of `desc` (sorted longest first), each group within the padded cap
+    # (|g| · max <= cap), of Σ (charge + |g| · w(max of g)). Any capped grouping of samples whose sorted
+    # lengths dominate `desc` costs at least this (same group sizes in head order, heads no longer).
     n = len(desc)
     best = [math.inf] * (n + 1)
     best[0] = 0.0
@@ -528,10 +541,44 @@ def _padded_dynamic_total_bound(lengths: Sequence[int], max_tokens: int, cost: C
             continue
         head = cost.sample_cost(desc[i])
         for size in range(1, min(n - i, max_tokens // max(1, desc[i])) + 1):
-            value = best[i] + cost.per_micro_batch + size * head
+            value = best[i] + charge + size * head
             if value < best[i + size]:
                 best[i + size] = value
     return best[n]
+
+
+def _padded_grouping_bound(desc: Sequence[int], max_tokens: int, cost: CostModel, min_groups: int) -> float:
+    # Lower bound on Σ (per_micro_batch + |g| · w(max of g)) over capped groupings into at least
+    # `min_groups` groups, by Lagrangian relaxation: for λ >= 0 and G >= min_groups groups,
+    # Σ (c0 + …) = Σ (c0 − λ + …) + λ·G >= _padded_grouping_cost(charge = c0 − λ) + λ·min_groups.
+    c0 = cost.per_micro_batch
+    return max(
+        _padded_grouping_cost(desc, max_tokens, cost, c0 - lam) + lam * min_groups
+        for lam in (0.0, 0.5 * c0, c0)
+    )
+
+
+def _padded_dynamic_bound(lengths: Sequence[int], dp_size: int, max_tokens: int, cost: CostModel) -> float:
+    # See `lower_bound`: every rank runs the same k >= ceil(G_min / P) capped micro-batches.
+    n = len(lengths)
+    m = n // dp_size
+    desc = sorted(lengths, reverse=True)
+    k_min = max(
+        math.ceil(sum(lengths) / (dp_size * max_tokens)),
+        math.ceil(_padded_min_groups(desc, max_tokens) / dp_size),
+    )
+    best = k_min * cost.per_micro_batch + _equal_count_bound(
+        [cost.sample_cost(length) for length in lengths], dp_size, m
+    )
+    best = max(best, _padded_grouping_bound(desc, max_tokens, cost, dp_size * k_min) / dp_size)
+    # One rank: some rank holds q of the t = (q − 1)·P + 1 longest (see `_padded_fixed_order_bound`);
+    # a few q keep this cheap, every q is valid.
+    qs = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, m // 4, m // 2, m) if 1 <= q <= m})
+    for q in qs:
+        t = (q - 1) * dp_size + 1
+        vector = [desc[min(n - m + p, t - q + p) if p < q else n - m + p] for p in range(m)]
+        best = max(best, _padded_grouping_bound(vector, max_tokens, cost, k_min))
+    return best
 
 
 def _padded_fixed_total_bound(lengths: Sequence[int], num_groups: int, cost: CostModel) -> float:
@@ -710,7 +757,8 @@ def plan_dp_balance(
             candidates["blocks"] = _groups_to_permutation(blocks)
     scored = {name: score(perm) for name, perm in candidates.items()}
     original_costs = scored["original"]
-    bound = lower_bound(lengths, dp_size, micro_batch=micro_batch, cost=cost)
+    # Stop early when a candidate is provably optimal (the bound is cheap for fixed batching only).
+    bound = 0.0 if micro_batch.dynamic else lower_bound(lengths, dp_size, micro_batch=micro_batch, cost=cost)
     at_bound = min(max(c) for c in scored.values()) <= bound * (1 + _REL_EPS)
 
     if refine and dp_size > 1 and not at_bound:
