@@ -48,6 +48,10 @@ DEFAULT_POOLS = [
         "per_node": 0,
         "labels": {"rljob.io/pool": "cpu"},
         "taints": [],
+        "cpu": "8",
+        "memory": "32Gi",
+        # Pods bound here really run, as processes on this machine (examples/tiny-cpu.yaml trains).
+        "exec_local": True,
     },
 ]
 

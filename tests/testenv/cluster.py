@@ -10,7 +10,8 @@ uses by hand) and by the benchmarks. It runs, as child processes of the caller:
 
 on free loopback ports with a private temporary folder, so parallel test runs never collide.
 Fake accelerator nodes are plain Node objects that `testenv.fakelet` keeps Ready; it also plays
-the kubelet's part for pods bound to them (Running, Failed on request, final deletion).
+the kubelet's part for pods bound to them (Running, Failed on request, final deletion), and on
+local-exec nodes (`add_nodes(exec_local=True)`) runs their pods as processes on this machine.
 """
 
 from __future__ import annotations
@@ -340,18 +341,25 @@ class LocalCluster:
         cpu: str = "96",
         memory: str = "1Ti",
         pods: int = 110,
+        exec_local: bool = False,
     ) -> list[str]:
-        """Create `count` Ready nodes with an accelerator capacity, like a GPU or NPU pool."""
+        """Create `count` Ready nodes with an accelerator capacity, like a GPU or NPU pool.
+
+        `exec_local`: pods bound there really run, as processes on this machine (label
+        `rljob.io/local-exec: "true"`; see `testenv.fakelet`), for end-to-end runs."""
         if self.kubelet is None:
             raise RuntimeError("the cluster is not started")
         names = [f"{name_prefix}-{i}" for i in range(count)]
+        node_labels = dict(labels or {})
+        if exec_local:
+            node_labels[fakelet.LOCAL_EXEC_LABEL] = "true"
         for name in names:
             self.kubelet.register_node(
                 fakelet.node_manifest(
                     name,
                     resource=resource,
                     per_node=per_node,
-                    labels=labels or {},
+                    labels=node_labels,
                     taints=taints or [],
                     cpu=cpu,
                     memory=memory,
@@ -370,6 +378,12 @@ class LocalCluster:
         if self.kubelet is None:
             raise RuntimeError("the cluster is not started")
         self.kubelet.fail_pod(namespace, name, exit_code)
+
+    def pod_log(self, namespace: str, name: str) -> str:
+        """stdout+stderr of a pod that ran on a local-exec node ("" if it never ran there)."""
+        if self.kubelet is None:
+            raise RuntimeError("the cluster is not started")
+        return self.kubelet.pod_log(namespace, name)
 
     def succeed_pod(self, namespace: str, name: str) -> None:
         if self.kubelet is None:

@@ -7,18 +7,47 @@ Called by `testenv.cluster.LocalCluster`. For each node it registers it:
   Ready conditions, container statuses and a pod IP), finishes graceful deletions (a kubelet
   confirms a pod's deletion with grace period 0; without that a deleted pod would stay
   Terminating forever), and on request ends a pod as Failed or Succeeded with an exit code.
-Nothing here runs containers.
+
+Nodes labelled `rljob.io/local-exec: "true"` (`LocalCluster.add_nodes(exec_local=True)`) go one
+step further, for end-to-end runs: a pod bound there really runs, as a process group on this
+machine (see `LocalExecutor`). Its first container's command runs with `python` mapped to this
+interpreter; env values (`value`, `valueFrom` field/ConfigMap/Secret refs) as a kubelet resolves
+them; ConfigMap and emptyDir volumes as per-pod folders, with env values, args and paths in
+materialised JSON under a volume's `mountPath` rewritten to the folder; the pod's ServiceAccount
+as a kubeconfig holding a bound token from the TokenRequest API (so the job's least-privilege Role
+is what the process gets; never the admin's credentials). All local pods share the host network:
+`RLJOB_RAY_HEAD` becomes 127.0.0.1, each job (label `rljob.io/job`) gets one free
+`RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS`/`TMPDIR` are set so parallel jobs never
+find each other's Ray clusters. The pod is Running (pod IP 127.0.0.1) once started, Succeeded or
+Failed with the exit code when the process ends; deleting it SIGTERMs then SIGKILLs every process
+of the pod (found by a marker in their environment, so daemons that left the session, like the
+ones `ray start` spawns, go too) before the deletion is confirmed. Output goes to one log per pod
+(`FakeKubelet.pod_log`). Fake GPU/NPU nodes run nothing.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import ipaddress
+import json
 import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
@@ -112,10 +141,150 @@ def node_manifest(
     }
 
 
+# ---- local-exec nodes: pods as processes on this machine ---------------------------------------
+
+LOCAL_EXEC_LABEL = "rljob.io/local-exec"
+JOB_LABEL = "rljob.io/job"
+POD_MARKER_ENV = "RLJOB_FAKELET_POD_UID"
+LOCAL_POD_IP = "127.0.0.1"
+STOP_GRACE_CAP_S = 10.0
+START_RETRY_S = 60.0
+HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "USER", "LOGNAME", "SHELL", "TZ")
+PYTHON_NAMES = ("python", "python3")
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rewrite_path(value: str, mounts: list[tuple[str, str]]) -> str:
+    """`value` with a leading container mount path (longest first) replaced by its host folder."""
+    for mount_path, host in mounts:
+        base = mount_path.rstrip("/")
+        if base and (value == base or value.startswith(base + "/")):
+            return host + value[len(base) :]
+    return value
+
+
+def rewrite_json_paths(text: str, mounts: list[tuple[str, str]]) -> str:
+    """JSON string values that are paths under a mount (e.g. trainer.json's checkpoint dir), rewritten."""
+    for mount_path, host in mounts:
+        base = mount_path.rstrip("/")
+        if base:
+            text = text.replace(f'"{base}"', json.dumps(host)).replace(
+                f'"{base}/', json.dumps(host)[:-1] + "/"
+            )
+    return text
+
+
+ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
+ENV_RAY_PORT = "RLJOB_RAY_PORT"
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` references to earlier variables; unknown ones stay as written."""
+    return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def _write_items(files: dict[str, bytes], items: Any, into: Path) -> None:
+    """A ConfigMap/Secret volume's files: every key, or only `items` (key -> relative path)."""
+    targets = {i.key: i.path for i in items} if items else {k: k for k in files}
+    for key, relative in targets.items():
+        if key not in files:
+            raise KeyError(f"key {key} is not in the volume's source")
+        path = into / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(files[key])
+
+
+def _session_of(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[3]) if len(fields) > 3 else None  # state ppid pgrp session ...
+
+
+def pod_pids(uid: str, session: int | None = None) -> list[int]:
+    """Every live process of a local pod: those in its session (`session`: the main process's pid,
+    which leads it) and those whose environment carries the pod's marker. The session catches the
+    daemons `ray start` leaves behind even after they rewrite their environ with a process title;
+    the marker catches anything that left the session. Zombies (already dead) are not listed."""
+    needle = f"{POD_MARKER_ENV}={uid}".encode()
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        if session is not None and _session_of(entry) == session:
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    zombie = handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except (OSError, IndexError):
+                continue
+            if not zombie:
+                found.append(int(entry))
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@dataclass
+class LocalPod:
+    """A pod of a local-exec node: its folder, log and (once started) process group."""
+
+    namespace: str
+    name: str
+    uid: str
+    folder: Path
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    stopping: bool = False
+
+
+def _session(local: LocalPod) -> int | None:
+    return local.process.pid if local.process is not None else None
+
+
+def _signal_all(local: LocalPod, sig: int) -> None:
+    for pid in pod_pids(local.uid, _session(local)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def kill_pod_processes(local: LocalPod, grace_s: float) -> None:
+    """SIGTERM every process of the pod, wait up to `grace_s`, then SIGKILL what is left."""
+    _signal_all(local, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not pod_pids(local.uid, _session(local)):
+            break
+        time.sleep(0.2)
+    else:
+        _signal_all(local, signal.SIGKILL)
+    if local.process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            local.process.wait(timeout=5)
+    deadline = time.monotonic() + 5
+    while pod_pids(local.uid, _session(local)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 class FakeKubelet:
     """Keeps registered nodes Ready and drives the lifecycle of pods bound to them."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, *, python: str | None = None) -> None:
+        self._api_client = api_client
         self._core = client.CoreV1Api(api_client)
         self._coordination = client.CoordinationV1Api(api_client)
         self._nodes: set[str] = set()
@@ -123,6 +292,14 @@ class FakeKubelet:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._next_ip = 10
+        # local-exec nodes and their pods
+        self._python = python or sys.executable
+        self._exec_nodes: set[str] = set()
+        self._local: dict[str, LocalPod] = {}  # by pod uid
+        self._by_name: dict[tuple[str, str], LocalPod] = {}  # (namespace, name) -> latest pod
+        self._job_ports: dict[tuple[str, str], int] = {}
+        self._root: Path | None = None
+        self._seq = 0
 
     # ---- nodes ---------------------------------------------------------------------------------
 
@@ -135,13 +312,17 @@ class FakeKubelet:
             if error.status != 409:
                 raise
             self._core.patch_node_status(name, {"status": manifest["status"]})
+        local_exec = manifest["metadata"].get("labels", {}).get(LOCAL_EXEC_LABEL) == "true"
         with self._lock:
             self._nodes.add(name)
+            if local_exec:
+                self._exec_nodes.add(name)
         self._renew_lease(name)
 
     def unregister_node(self, name: str) -> None:
         with self._lock:
             self._nodes.discard(name)
+            self._exec_nodes.discard(name)
         with contextlib.suppress(ApiException):
             self._core.delete_node(name)
         with contextlib.suppress(ApiException):
@@ -187,6 +368,11 @@ class FakeKubelet:
     def _handle(self, pod: Any) -> None:
         if not self._owns(pod):
             return
+        with self._lock:
+            local_exec = pod.spec.node_name in self._exec_nodes
+        if local_exec:
+            self._handle_local(pod)
+            return
         name, namespace = pod.metadata.name, pod.metadata.namespace
         if pod.metadata.deletion_timestamp is not None:
             # A kubelet confirms the deletion once containers stopped: grace period 0 removes it.
@@ -197,7 +383,7 @@ class FakeKubelet:
         if phase in (None, "Pending") and not (pod.status and pod.status.container_statuses):
             self._set_running(pod)
 
-    def _set_running(self, pod: Any) -> None:
+    def _set_running(self, pod: Any, *, ip: str | None = None, container_id: str = "fake") -> None:
         now = _rfc3339(_now())
         conditions = [
             {"type": kind, "status": "True", "lastTransitionTime": now}
@@ -217,12 +403,12 @@ class FakeKubelet:
                 "ready": True,
                 "started": True,
                 "restartCount": 0,
-                "containerID": f"fake://{pod.metadata.uid}/{c.name}",
+                "containerID": f"{container_id}://{pod.metadata.uid}/{c.name}",
                 "state": {"running": {"startedAt": now}},
             }
             for c in pod.spec.containers
         ]
-        ip = self._pod_ip()
+        ip = ip or self._pod_ip()
         body = {
             "status": {
                 "phase": "Running",
@@ -241,8 +427,28 @@ class FakeKubelet:
     def fail_pod(self, namespace: str, name: str, exit_code: int) -> None:
         """End a pod's containers with `exit_code`: phase Failed, or Succeeded for 0."""
         pod = self._core.read_namespaced_pod(name, namespace)
+        self._set_terminated(pod, exit_code)
+
+    def _set_terminated(
+        self,
+        pod: Any,
+        exit_code: int,
+        *,
+        started_at: str | None = None,
+        container_id: str = "fake",
+        message: str | None = None,
+    ) -> None:
+        name, namespace = pod.metadata.name, pod.metadata.namespace
         now = _rfc3339(_now())
         reason = "Completed" if exit_code == 0 else "Error"
+        terminated: dict[str, Any] = {
+            "exitCode": exit_code,
+            "reason": reason,
+            "startedAt": started_at or now,
+            "finishedAt": now,
+        }
+        if message:
+            terminated["message"] = message[-1024:]
         statuses = [
             {
                 "name": c.name,
@@ -251,15 +457,8 @@ class FakeKubelet:
                 "ready": False,
                 "started": False,
                 "restartCount": 0,
-                "containerID": f"fake://{pod.metadata.uid}/{c.name}",
-                "state": {
-                    "terminated": {
-                        "exitCode": exit_code,
-                        "reason": reason,
-                        "startedAt": now,
-                        "finishedAt": now,
-                    }
-                },
+                "containerID": f"{container_id}://{pod.metadata.uid}/{c.name}",
+                "state": {"terminated": dict(terminated)},
             }
             for c in pod.spec.containers
         ]
@@ -280,6 +479,328 @@ class FakeKubelet:
             }
         }
         self._core.patch_namespaced_pod_status(name, namespace, body)
+
+    # ---- local-exec pods -------------------------------------------------------------------------
+
+    def pod_log(self, namespace: str, name: str) -> str:
+        """stdout+stderr of the latest local-exec pod `namespace/name` ("" when it never ran here)."""
+        with self._lock:
+            local = self._by_name.get((namespace, name))
+        if local is None:
+            return ""
+        try:
+            return local.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def local_pids(self, namespace: str, name: str) -> list[int]:
+        """Live processes of the latest local-exec pod `namespace/name` (empty once it is gone)."""
+        with self._lock:
+            local = self._by_name.get((namespace, name))
+        return pod_pids(local.uid, _session(local)) if local is not None else []
+
+    def _handle_local(self, pod: Any) -> None:
+        uid = pod.metadata.uid
+        with self._lock:
+            local = self._local.get(uid)
+            if pod.metadata.deletion_timestamp is not None:
+                if local is not None:
+                    if local.stopping:
+                        return
+                    local.stopping = True
+                self._spawn_thread(self._delete_local, pod, local, name=f"fakelet-stop-{pod.metadata.name}")
+                return
+            if local is not None:
+                return  # starting or running already
+            started_before = pod.status and (
+                pod.status.container_statuses or pod.status.phase not in (None, "Pending")
+            )
+            if started_before:
+                return  # run by an earlier kubelet: nothing to restart (restartPolicy is the operator's)
+            if self._root is None:
+                # Short: Ray's AF_UNIX socket paths live under the pod's TMPDIR (107 bytes at most).
+                self._root = Path(tempfile.mkdtemp(prefix="rljp-", dir="/tmp"))
+            self._seq += 1
+            folder = self._root / str(self._seq)
+            folder.mkdir()
+            local = LocalPod(pod.metadata.namespace, pod.metadata.name, uid, folder, folder / "pod.log")
+            self._local[uid] = local
+            self._by_name[(local.namespace, local.name)] = local
+        self._spawn_thread(self._start_local, pod, local, name=f"fakelet-start-{pod.metadata.name}")
+
+    def _spawn_thread(self, target: Any, *args: Any, name: str) -> None:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+
+    def _start_local(self, pod: Any, local: LocalPod) -> None:
+        deadline = time.monotonic() + START_RETRY_S
+        while True:
+            try:
+                argv, env, cwd = self._prepare_local(pod, local)
+                break
+            except Exception as error:  # e.g. its ConfigMap not there yet: a kubelet retries
+                if self._stop.is_set() or local.stopping:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("local pod %s/%s could not start: %s", local.namespace, local.name, error)
+                    local.log_path.write_text(f"fakelet: could not start the container: {error}\n")
+                    with contextlib.suppress(ApiException):
+                        self._set_terminated(pod, 128, message=f"could not start: {error}")
+                    return
+                self._stop.wait(1.0)
+        with self._lock:
+            if local.stopping or self._stop.is_set():
+                return
+            with open(local.log_path, "ab") as out:
+                try:
+                    local.process = subprocess.Popen(
+                        argv,
+                        env=env,
+                        cwd=cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                except OSError as error:
+                    out.write(f"fakelet: exec {argv!r} failed: {error}\n".encode())
+                    local.process = None
+        if local.process is None:
+            with contextlib.suppress(ApiException):
+                self._set_terminated(pod, 127, message=f"exec {argv[0]} failed")
+            return
+        local.started_at = _rfc3339(_now())
+        log.info("local pod %s/%s started as pid %s", local.namespace, local.name, local.process.pid)
+        with contextlib.suppress(ApiException):
+            self._set_running(pod, ip=LOCAL_POD_IP, container_id="local")
+        self._watch_exit(pod, local)
+
+    def _watch_exit(self, pod: Any, local: LocalPod) -> None:
+        assert local.process is not None
+        code = local.process.wait()
+        exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
+        log.info("local pod %s/%s exited with %s", local.namespace, local.name, exit_code)
+        if not (local.stopping or self._stop.is_set()):
+            with contextlib.suppress(ApiException):
+                self._set_terminated(pod, exit_code, started_at=local.started_at, container_id="local")
+        # A container ends with its main process: nothing it left behind (Ray daemons) survives it.
+        # Reported first, as in a container where everything dies at once: the daemons' end must not
+        # make the job's other pods fail before this one's exit is known.
+        if not local.stopping:
+            kill_pod_processes(local, grace_s=5.0)
+
+    def _delete_local(self, pod: Any, local: LocalPod | None) -> None:
+        if local is not None:
+            grace = pod.metadata.deletion_grace_period_seconds
+            grace_s = STOP_GRACE_CAP_S if grace is None else min(float(grace), STOP_GRACE_CAP_S)
+            kill_pod_processes(local, grace_s)
+            with self._lock:
+                self._local.pop(local.uid, None)
+        try:
+            self._core.delete_namespaced_pod(
+                pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0
+            )
+        except ApiException:
+            pass  # already gone
+        except Exception:  # the apiserver stopped under us (teardown) or a transient error
+            if not self._stop.is_set():
+                log.exception("confirming the deletion of pod %s", pod.metadata.name)
+
+    def _job_port(self, namespace: str, job: str) -> int:
+        with self._lock:
+            port = self._job_ports.get((namespace, job))
+            if port is None:
+                port = self._job_ports[(namespace, job)] = _free_port()
+            return port
+
+    def _prepare_local(self, pod: Any, local: LocalPod) -> tuple[list[str], dict[str, str], str]:
+        """argv, environment and working directory of the pod's first container on this machine."""
+        container = pod.spec.containers[0]
+        namespace = local.namespace
+        mounts = self._materialise_volumes(pod, container, local)
+        env = {k: os.environ[k] for k in HOST_ENV_KEEP if k in os.environ}
+        env["PATH"] = os.pathsep.join([os.path.dirname(self._python), env.get("PATH", "/usr/bin:/bin")])
+        env["HOME"] = str(local.folder)
+        env["HOSTNAME"] = pod.spec.hostname or local.name
+        env["PYTHONUNBUFFERED"] = "1"
+        tmp = rewrite_path("/tmp", mounts)
+        env["TMPDIR"] = tmp if tmp != "/tmp" else str(local.folder)
+        for var in container.env or []:
+            value = self._env_value(pod, var)
+            if value is not None:
+                env[var.name] = rewrite_path(_expand(value, env), mounts)
+        # One host network: the job's Ray head is on loopback, on a port of its own.
+        job = (pod.metadata.labels or {}).get(JOB_LABEL)
+        if ENV_RAY_HEAD in env:
+            env[ENV_RAY_HEAD] = LOCAL_POD_IP
+        if job and ENV_RAY_PORT in env:
+            port = self._job_port(namespace, job)
+            env[ENV_RAY_PORT] = str(port)
+            env["RAY_ADDRESS"] = f"{LOCAL_POD_IP}:{port}"  # `ray.init("auto")` finds this job's head
+        if self._automount_token(pod):
+            env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
+        env[POD_MARKER_ENV] = local.uid
+        argv = [*(container.command or []), *(container.args or [])]
+        if not argv:
+            raise ValueError("the container has no command: a local-exec node has no image entrypoint")
+        argv = [rewrite_path(_expand(a, env), mounts) for a in argv]
+        if argv[0] in PYTHON_NAMES:
+            argv[0] = self._python
+        cwd = rewrite_path(container.working_dir, mounts) if container.working_dir else str(local.folder)
+        return argv, env, cwd
+
+    def _materialise_volumes(self, pod: Any, container: Any, local: LocalPod) -> list[tuple[str, str]]:
+        """Per-pod folders for the container's volumes: (mountPath, folder), longest mountPath first."""
+        volumes = {v.name: v for v in pod.spec.volumes or []}
+        mounts: list[tuple[str, str]] = []
+        configmap_dirs: list[Path] = []
+        for mount in container.volume_mounts or []:
+            volume = volumes.get(mount.name)
+            folder = local.folder / mount.name
+            if not folder.exists() and volume is not None:
+                staging = local.folder / f".{mount.name}.staging"
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir()
+                if volume.config_map is not None:
+                    self._write_config_map(namespace=local.namespace, source=volume.config_map, into=staging)
+                    configmap_dirs.append(folder)
+                elif volume.secret is not None:
+                    self._write_secret(namespace=local.namespace, source=volume.secret, into=staging)
+                elif volume.empty_dir is None and volume.projected is None:
+                    log.warning(
+                        "local pod %s: volume %s is served as an empty folder", local.name, mount.name
+                    )
+                staging.rename(folder)
+            host = folder / mount.sub_path if mount.sub_path else folder
+            mounts.append((mount.mount_path, str(host)))
+        mounts.sort(key=lambda m: len(m[0]), reverse=True)
+        for folder in configmap_dirs:
+            for path in folder.rglob("*"):
+                if path.is_file() and path.suffix in (".json", ".yaml", ".yml"):
+                    path.write_text(rewrite_json_paths(path.read_text(), mounts))
+        return mounts
+
+    def _write_config_map(self, *, namespace: str, source: Any, into: Path) -> None:
+        try:
+            cm = self._core.read_namespaced_config_map(source.name, namespace)
+        except ApiException as error:
+            if error.status == 404 and source.optional:
+                return
+            raise
+        files: dict[str, bytes] = {k: v.encode() for k, v in (cm.data or {}).items()}
+        files.update({k: base64.b64decode(v) for k, v in (cm.binary_data or {}).items()})
+        _write_items(files, source.items, into)
+
+    def _write_secret(self, *, namespace: str, source: Any, into: Path) -> None:
+        try:
+            secret = self._core.read_namespaced_secret(source.secret_name, namespace)
+        except ApiException as error:
+            if error.status == 404 and source.optional:
+                return
+            raise
+        files = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        _write_items(files, source.items, into)
+
+    def _env_value(self, pod: Any, var: Any) -> str | None:
+        if var.value_from is None:
+            return var.value if var.value is not None else ""
+        source = var.value_from
+        if source.field_ref is not None:
+            path = source.field_ref.field_path
+            fields = {
+                "metadata.name": pod.metadata.name,
+                "metadata.namespace": pod.metadata.namespace,
+                "metadata.uid": pod.metadata.uid,
+                "spec.nodeName": pod.spec.node_name,
+                "spec.serviceAccountName": pod.spec.service_account_name,
+                "status.podIP": LOCAL_POD_IP,
+                "status.hostIP": LOCAL_POD_IP,
+            }
+            if path not in fields:
+                raise ValueError(f"env {var.name}: fieldRef {path} is not supported on a local-exec node")
+            return fields[path]
+        if source.config_map_key_ref is not None:
+            ref = source.config_map_key_ref
+            try:
+                data = self._core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {}
+            except ApiException as error:
+                if error.status == 404 and ref.optional:
+                    return None
+                raise
+            if ref.key not in data and ref.optional:
+                return None
+            return str(data[ref.key])
+        if source.secret_key_ref is not None:
+            ref = source.secret_key_ref
+            try:
+                data = self._core.read_namespaced_secret(ref.name, pod.metadata.namespace).data or {}
+            except ApiException as error:
+                if error.status == 404 and ref.optional:
+                    return None
+                raise
+            if ref.key not in data and ref.optional:
+                return None
+            return base64.b64decode(data[ref.key]).decode()
+        raise ValueError(f"env {var.name}: resourceFieldRef is not supported on a local-exec node")
+
+    def _automount_token(self, pod: Any) -> bool:
+        if pod.spec.automount_service_account_token is not None:
+            return bool(pod.spec.automount_service_account_token)
+        account = pod.spec.service_account_name or "default"
+        sa = self._core.read_namespaced_service_account(account, pod.metadata.namespace)
+        return sa.automount_service_account_token is not False
+
+    def _service_account_kubeconfig(self, pod: Any, local: LocalPod) -> Path:
+        """A kubeconfig with a token bound to this pod (TokenRequest), as a kubelet projects one."""
+        account = pod.spec.service_account_name or "default"
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=3600,
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
+                ),
+            )
+        )
+        token = self._core.create_namespaced_service_account_token(
+            account, pod.metadata.namespace, request
+        ).status.token
+        configuration = self._api_client.configuration
+        cluster: dict[str, Any] = {"server": configuration.host}
+        if configuration.ssl_ca_cert:
+            ca = local.folder / "ca.crt"
+            shutil.copyfile(configuration.ssl_ca_cert, ca)
+            cluster["certificate-authority"] = str(ca)
+        user = f"system:serviceaccount:{pod.metadata.namespace}:{account}"
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "local", "cluster": cluster}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "pod",
+                    "context": {"cluster": "local", "user": user, "namespace": pod.metadata.namespace},
+                }
+            ],
+            "current-context": "pod",
+        }
+        path = local.folder / "sa.kubeconfig"
+        path.write_text(yaml.safe_dump(kubeconfig))
+        path.chmod(0o600)
+        return path
+
+    def _stop_local_pods(self) -> None:
+        with self._lock:
+            pods = list(self._local.values())
+            for local in pods:
+                local.stopping = True
+        threads = [
+            threading.Thread(target=kill_pod_processes, args=(local, 3.0), daemon=True) for local in pods
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
 
     def _pod_loop(self) -> None:
         resource_version: str | None = None
@@ -302,6 +823,11 @@ class FakeKubelet:
                         stream.stop()
                         break
                     pod = event["object"]
+                    if event["type"] == "ERROR" or isinstance(pod, dict):
+                        # An ERROR event (e.g. 410 Gone as a status object): list again.
+                        resource_version = None
+                        stream.stop()
+                        break
                     resource_version = pod.metadata.resource_version
                     if event["type"] in ("ADDED", "MODIFIED"):
                         self._handle(pod)
@@ -330,3 +856,7 @@ class FakeKubelet:
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
+        self._stop_local_pods()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
