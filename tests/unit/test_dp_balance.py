@@ -349,3 +349,119 @@ def test_padded_fixed_plan_reaches_the_block_bound_on_a_grpo_like_batch() -> Non
     assert kk_cost / bound > 1.03
     assert max(plan.rank_costs) < kk_cost
     assert plan.strategy.startswith("blocks")
+
+
+def _grpo_like(rng: random.Random, n: int, completion_cap: int) -> list[int]:
+    # Right-skewed body plus a spike at the completion cap, prompts shared by groups of 4.
+    lengths: list[int] = []
+    while len(lengths) < n:
+        prompt = rng.randint(90, 160)
+        for _ in range(4):
+            if rng.random() < 0.2:
+                lengths.append(prompt + completion_cap)
+            else:
+                lengths.append(prompt + min(completion_cap, int(rng.lognormvariate(math.log(200), 0.6))))
+    return lengths[:n]
+
+
+def _padded_dynamic_exhaustive_cases() -> list[tuple[list[int], int, MicroBatchSpec]]:
+    rng = random.Random(2024)
+    cases = []
+    for _ in range(14):
+        dp, m = rng.choice([(2, 2), (2, 3), (2, 4), (3, 2), (3, 3), (3, 4)])
+        lengths = _grpo_like(rng, dp * m, 512)
+        cap = int(rng.choice([1.0, 1.5, 2.0, 2.5, 3.0]) * 672)
+        cases.append(
+            (lengths, dp, MicroBatchSpec(packed=False, dynamic=True, max_tokens_per_micro_batch=cap))
+        )
+    return cases
+
+
+def test_padded_dynamic_bound_is_valid_and_tight_against_exhaustive_optima() -> None:
+    # Findings behind `lower_bound`'s first-fit-decreasing terms: on small GRPO-like batches the planner
+    # is at (or within 0.1% on average of) the optimum, so the gap the benchmark showed was the bound's:
+    # the relaxed bound (also the only one for karmarkar_karp batching) lets a rank group its samples
+    # freely, e.g. a long sample alone, while first-fit decreasing always fills its micro-batch.
+    cost = CostModel.from_hidden_size(2560, intermediate_size=9728)
+    ratios, relaxed_ratios = [], []
+    for lengths, dp, spec in _padded_dynamic_exhaustive_cases():
+        optimum = min(
+            max(dp_balance.simulate_rank_costs(lengths, [i for g in groups for i in g], dp, spec, cost))
+            for groups in _equal_partitions(list(range(len(lengths))), dp)
+        )
+        bound = dp_balance.lower_bound(lengths, dp, micro_batch=spec, cost=cost)
+        assert 0 < bound <= optimum * (1 + 1e-9)
+        kk_spec = spec.model_copy(update={"dynamic_algorithm": "karmarkar_karp"})
+        kk_optimum = min(
+            max(dp_balance.simulate_rank_costs(lengths, [i for g in groups for i in g], dp, kk_spec, cost))
+            for groups in _equal_partitions(list(range(len(lengths))), dp)
+        )
+        relaxed = dp_balance.lower_bound(lengths, dp, micro_batch=kk_spec, cost=cost)
+        assert 0 < relaxed <= kk_optimum * (1 + 1e-9)
+        plan = plan_dp_balance(lengths, dp, micro_batch=spec, cost=cost)
+        assert max(plan.rank_costs) >= optimum * (1 - 1e-9)
+        ratios.append(optimum / bound)
+        relaxed_ratios.append(optimum / relaxed)
+    # Measured: bound 0.7% below the optimum on average (5% at worst); relaxed 4.4% (18% at worst).
+    assert sum(ratios) / len(ratios) < 1.015
+    assert sum(relaxed_ratios) / len(relaxed_ratios) > 1.03
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=8, max_size=8),
+    st.sampled_from([150, 300, 450, 600, 900]),
+    st.sampled_from(["first_fit_decreasing", "karmarkar_karp"]),
+)
+def test_padded_dynamic_bound_below_optimum_with_spikes(lengths: list[int], cap: int, algorithm: str) -> None:
+    # Spikes at the longest length exercise the "rank holding q copies of the longest" terms.
+    lengths = [max(lengths) if x % 3 == 0 else x for x in lengths]
+    cap = max(cap, max(lengths))
+    spec = MicroBatchSpec(
+        packed=False, dynamic=True, max_tokens_per_micro_batch=cap, dynamic_algorithm=algorithm
+    )  # type: ignore[arg-type]
+    for dp in (2, 4):
+        optimum = _optimum_by_partitions(lengths, dp, spec)
+        bound = dp_balance.lower_bound(lengths, dp, micro_batch=spec, cost=COST)
+        assert 0 < bound <= optimum * (1 + 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 700), min_size=1, max_size=40),
+    st.integers(300, 2000),
+    st.integers(1, 8),
+    st.randoms(use_true_random=False),
+)
+def test_fast_padded_dynamic_evaluator_matches_the_planner(
+    lengths: list[int], cap: int, k: int, rng: random.Random
+) -> None:
+    spec = MicroBatchSpec(packed=False, dynamic=True, max_tokens_per_micro_batch=cap)
+    group = rng.sample(range(len(lengths)), rng.randint(1, len(lengths)))
+    fast = dp_balance._padded_greedy_rank_evaluator(lengths, spec, COST, k)(group)
+    exact = dp_balance.rank_cost([lengths[i] for i in group], spec, COST, k)
+    assert fast == exact or fast == pytest.approx(exact, rel=1e-12)
+
+
+def test_padded_dynamic_one_spike_per_rank_bound_is_tight() -> None:
+    # DP=8, 8 samples per rank, GSM8K-like with a few responses at the cap: the rank holding a spike
+    # needs a second micro-batch and first-fit decreasing pads 3 samples to the spike's length. The
+    # relaxed bound assumed the spike could sit alone and was ~35% below the plan.
+    rng = random.Random(5)
+    lengths = [rng.randint(220, 320) for _ in range(62)] + [650, 672]
+    spec = MicroBatchSpec(packed=False, dynamic=True, max_tokens_per_micro_batch=2688)
+    cost = CostModel.from_hidden_size(2560, intermediate_size=9728)
+    plan = plan_dp_balance(lengths, 8, micro_batch=spec, cost=cost)
+    bound = dp_balance.lower_bound(lengths, 8, micro_batch=spec, cost=cost)
+    assert max(plan.rank_costs) / bound < 1.03
+
+
+def test_padded_dynamic_bound_allows_a_larger_shared_count() -> None:
+    # Here the best plan runs more micro-batches than the fewest every rank needs (k_lo): the spike rank's
+    # greedy micro-batch gets split, cheaper than the unsplit greedy plan the k_lo terms assume. Found by
+    # exhaustive search against a bound that wrongly applied those terms to every k.
+    lengths = [300, 300, 203, 236, 86, 300, 181, 214]
+    spec = MicroBatchSpec(packed=False, dynamic=True, max_tokens_per_micro_batch=450)
+    optimum = _optimum_by_partitions(lengths, 2, spec)
+    assert optimum == pytest.approx(337292.0)
+    assert dp_balance.lower_bound(lengths, 2, micro_batch=spec, cost=COST) <= optimum * (1 + 1e-9)
