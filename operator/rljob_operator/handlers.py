@@ -409,7 +409,14 @@ async def _reconcile_locked(
     # 3. the run's outcome so far.
     outcome = reconcile.assess_pods(ctx.pods, attempt)
     if outcome.succeeded:
-        await _write_status(ctx, status.Situation("succeeded", restarts=attempt), **common)
+        # The final report too: a run shorter than the timer interval would end with no step/reward.
+        reports = _reports(ctx, telemetry_index)
+        await _write_status(
+            ctx,
+            status.Situation("succeeded", restarts=attempt),
+            report=reports[-1] if reports else None,
+            **common,
+        )
         await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
         return
     if outcome.failed_pod is not None:
