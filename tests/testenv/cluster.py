@@ -236,7 +236,7 @@ class LocalCluster:
         )
         _wait_http(f"https://127.0.0.1:{scheduler_port}/healthz", deadline, "kube-scheduler", insecure)
         self._wait_default_service_account("default", deadline)
-        self.kubelet = fakelet.FakeKubelet(self.api_client())
+        self.kubelet = fakelet.FakeKubelet(self.api_client(), log_dir=self.workdir / "pod-logs")
         self.kubelet.start()
 
     def _spawn(self, name: str, argv: list[str]) -> None:

@@ -159,6 +159,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_JSON_PATH = re.compile(r'"/(?:[^"\\]|\\.)*"')
+
+
 def rewrite_path(value: str, mounts: list[tuple[str, str]]) -> str:
     """`value` with a leading container mount path (longest first) replaced by its host folder."""
     for mount_path, host in mounts:
@@ -169,14 +172,9 @@ def rewrite_path(value: str, mounts: list[tuple[str, str]]) -> str:
 
 
 def rewrite_json_paths(text: str, mounts: list[tuple[str, str]]) -> str:
-    """JSON string values that are paths under a mount (e.g. trainer.json's checkpoint dir), rewritten."""
-    for mount_path, host in mounts:
-        base = mount_path.rstrip("/")
-        if base:
-            text = text.replace(f'"{base}"', json.dumps(host)).replace(
-                f'"{base}/', json.dumps(host)[:-1] + "/"
-            )
-    return text
+    """JSON string values that are paths under a mount (e.g. trainer.json's checkpoint dir), rewritten
+    once each (the longest mount path wins, as for env values)."""
+    return _JSON_PATH.sub(lambda m: json.dumps(rewrite_path(json.loads(m.group(0)), mounts)), text)
 
 
 ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
@@ -283,7 +281,7 @@ def kill_pod_processes(local: LocalPod, grace_s: float) -> None:
 class FakeKubelet:
     """Keeps registered nodes Ready and drives the lifecycle of pods bound to them."""
 
-    def __init__(self, api_client: Any, *, python: str | None = None) -> None:
+    def __init__(self, api_client: Any, *, python: str | None = None, log_dir: Path | None = None) -> None:
         self._api_client = api_client
         self._core = client.CoreV1Api(api_client)
         self._coordination = client.CoordinationV1Api(api_client)
@@ -300,6 +298,7 @@ class FakeKubelet:
         self._job_ports: dict[tuple[str, str], int] = {}
         self._root: Path | None = None
         self._seq = 0
+        self._log_dir = log_dir  # `<namespace>_<pod>.log` there (appended to across pod restarts)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
@@ -523,7 +522,12 @@ class FakeKubelet:
             self._seq += 1
             folder = self._root / str(self._seq)
             folder.mkdir()
-            local = LocalPod(pod.metadata.namespace, pod.metadata.name, uid, folder, folder / "pod.log")
+            namespace, name = pod.metadata.namespace, pod.metadata.name
+            log_path = folder / "pod.log"
+            if self._log_dir is not None:
+                self._log_dir.mkdir(parents=True, exist_ok=True)
+                log_path = self._log_dir / f"{namespace}_{name}.log"
+            local = LocalPod(namespace, name, uid, folder, log_path)
             self._local[uid] = local
             self._by_name[(local.namespace, local.name)] = local
         self._spawn_thread(self._start_local, pod, local, name=f"fakelet-start-{pod.metadata.name}")
