@@ -10,19 +10,27 @@ Called by `testenv.cluster.LocalCluster`. For each node it registers it:
 
 Nodes labelled `rljob.io/local-exec: "true"` (`LocalCluster.add_nodes(exec_local=True)`) go one
 step further, for end-to-end runs: a pod bound there really runs, as a process group on this
-machine (see `LocalExecutor`). Its first container's command runs with `python` mapped to this
+machine (`_start_local`). Its first container's command runs with `python` mapped to this
 interpreter; env values (`value`, `valueFrom` field/ConfigMap/Secret refs) as a kubelet resolves
-them; ConfigMap and emptyDir volumes as per-pod folders, with env values, args and paths in
-materialised JSON under a volume's `mountPath` rewritten to the folder; the pod's ServiceAccount
-as a kubeconfig holding a bound token from the TokenRequest API (so the job's least-privilege Role
-is what the process gets; never the admin's credentials). All local pods share the host network:
-`RLJOB_RAY_HEAD` becomes 127.0.0.1, each job (label `rljob.io/job`) gets one free
-`RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS`/`TMPDIR` are set so parallel jobs never
-find each other's Ray clusters. The pod is Running (pod IP 127.0.0.1) once started, Succeeded or
-Failed with the exit code when the process ends; deleting it SIGTERMs then SIGKILLs every process
-of the pod (found by a marker in their environment, so daemons that left the session, like the
-ones `ray start` spawns, go too) before the deletion is confirmed. Output goes to one log per pod
-(`FakeKubelet.pod_log`). Fake GPU/NPU nodes run nothing.
+them; ConfigMap, Secret and emptyDir volumes as per-pod folders, with env values, args and paths
+in materialised JSON/YAML under a volume's `mountPath` rewritten to the folder; the pod's
+ServiceAccount as a kubeconfig holding a token bound to the pod from the TokenRequest API (so
+the job's least-privilege Role is all the process gets, never the admin's credentials).
+
+All local pods share the host network: `RLJOB_RAY_HEAD` becomes 127.0.0.1, each job (label
+`rljob.io/job`) gets one free `RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS` and a
+per-pod `TMPDIR` keep parallel jobs from finding each other's Ray clusters. Ray's fixed default
+ports (dashboard 8265, client server 10001, dashboard agent 52365) would collide between two jobs
+on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones,
+and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
+
+The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with the exit code
+when its main process ends, after which nothing of it survives (as in a container). Deleting it
+SIGTERMs, then after the grace period (at most 10 s) SIGKILLs, every process of the pod: its
+session, which holds the daemons `ray start` spawns even after they rewrite their environ, plus
+anything carrying the pod's marker in its environment; then the deletion is confirmed. Output
+goes to `<cluster workdir>/pod-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU
+nodes run nothing.
 """
 
 from __future__ import annotations
@@ -177,6 +185,19 @@ def rewrite_json_paths(text: str, mounts: list[tuple[str, str]]) -> str:
     return _JSON_PATH.sub(lambda m: json.dumps(rewrite_path(json.loads(m.group(0)), mounts)), text)
 
 
+RAY_START_ARGS_ENV = "RLJOB_FAKELET_RAY_START_ARGS"
+# Ray's `ray start` binds a few fixed ports (dashboard 8265, client server 10001, dashboard agent
+# 52365): right in a pod of its own, a collision between two jobs on one host. The pod's command
+# is the trainer's, so this hook (on PYTHONPATH) adds free ports to any `ray start` it runs.
+RAY_START_HOOK = f"""# written by testenv.fakelet for pods of local-exec nodes
+import os, sys
+if len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "ray" and sys.argv[1] == "start":
+    for arg in os.environ.get("{RAY_START_ARGS_ENV}", "").split():
+        name = arg.split("=", 1)[0]
+        head_only = name in ("--dashboard-port", "--ray-client-server-port")
+        if (not head_only or "--head" in sys.argv) and not any(a.startswith(name) for a in sys.argv):
+            sys.argv.append(arg)
+"""
 ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
 ENV_RAY_PORT = "RLJOB_RAY_PORT"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -640,6 +661,14 @@ class FakeKubelet:
             port = self._job_port(namespace, job)
             env[ENV_RAY_PORT] = str(port)
             env["RAY_ADDRESS"] = f"{LOCAL_POD_IP}:{port}"  # `ray.init("auto")` finds this job's head
+            env["RAY_USE_RANDOM_PORTS"] = "1"  # worker processes: OS-assigned ports, not 10002-19999
+            env[RAY_START_ARGS_ENV] = " ".join(
+                f"--{flag}={_free_port()}"
+                for flag in ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
+            )
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(self._ray_start_hook()), env.get("PYTHONPATH")) if p
+            )
         if self._automount_token(pod):
             env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
         env[POD_MARKER_ENV] = local.uid
@@ -651,6 +680,17 @@ class FakeKubelet:
             argv[0] = self._python
         cwd = rewrite_path(container.working_dir, mounts) if container.working_dir else str(local.folder)
         return argv, env, cwd
+
+    def _ray_start_hook(self) -> Path:
+        """The folder holding the `sitecustomize` that gives `ray start` free ports."""
+        assert self._root is not None
+        folder = self._root / "site"
+        if not folder.exists():
+            staging = self._root / ".site.staging"
+            staging.mkdir(exist_ok=True)
+            (staging / "sitecustomize.py").write_text(RAY_START_HOOK)
+            staging.rename(folder)
+        return folder
 
     def _materialise_volumes(self, pod: Any, container: Any, local: LocalPod) -> list[tuple[str, str]]:
         """Per-pod folders for the container's volumes: (mountPath, folder), longest mountPath first."""
