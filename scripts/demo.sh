@@ -4,9 +4,10 @@
 #   2. bring up the local cluster (etcd, kube-apiserver, controller-manager, scheduler, fake
 #      GPU/NPU/CPU nodes) and install the RLJob CRD,
 #   3. print the estimator's plan of the example jobs,
-#   4. run the operator, apply examples/tiny-cpu.yaml and show what it creates.
-# The trainer pods are scheduled and bound for real, but the fake kubelet only marks them Running:
-# no container runs on the local cluster yet (see README, "What works today").
+#   4. run the operator, apply examples/tiny-cpu.yaml and watch it train to Succeeded.
+# The trainer pods are scheduled and bound for real, and the cluster's cpu node runs them as
+# processes on this machine (testenv's local-exec kubelet): the tiny model really trains, two
+# gloo ranks over a Ray cluster that spans the two pod processes.
 # The cluster stays up afterwards; `make cluster-down` stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ scripts/bootstrap.sh
 
 export_line=$(PYTHONPATH=tests .venv/bin/python -m testenv up)
 eval "$export_line"
-kubectl() { "$(PYTHONPATH=tests .venv/bin/python -c 'from testenv import binaries; print(binaries.ensure_go_binaries() / "kubectl")')" "$@"; }
+KUBECTL=$(PYTHONPATH=tests .venv/bin/python -c 'from testenv import binaries; print(binaries.ensure_go_binaries() / "kubectl")')
+kubectl() { "$KUBECTL" "$@"; }
 
 echo "==> nodes of the local cluster"
 kubectl get nodes -L rljob.io/accelerator
@@ -29,23 +31,34 @@ done
 
 mkdir -p .rljob
 echo "==> starting the operator (log: .rljob/operator.log)"
-.venv/bin/rljob operator --all-namespaces > .rljob/operator.log 2>&1 &
+# A 1 s resync so the STEP column moves every second (the default is 10 s).
+RLJOB_RECONCILE_INTERVAL_S=1 .venv/bin/rljob operator --all-namespaces > .rljob/operator.log 2>&1 &
 operator_pid=$!
 trap 'kill $operator_pid 2>/dev/null || true' EXIT
 
-kubectl apply -f examples/tiny-cpu.yaml
-for _ in $(seq 1 60); do
+kubectl delete rljob tiny-cpu --ignore-not-found --timeout=60s   # a re-run starts afresh
+# 200 steps instead of 20 (~0.15 s each here) so the STEP column visibly advances.
+sed 's/maxSteps: 20$/maxSteps: 200/' examples/tiny-cpu.yaml | kubectl apply -f -
+echo "==> kubectl get rljobs -w (the trainer pods run python -m rljob_trainer on the cpu node)"
+"$KUBECTL" get rljobs -w &   # the binary itself, so that $! is the process to stop
+watch_pid=$!
+phase=""
+for _ in $(seq 1 300); do
   phase=$(kubectl get rljob tiny-cpu -o jsonpath='{.status.phase}' 2>/dev/null || true)
-  [ "$phase" = "Running" ] && break
+  case "$phase" in Succeeded|Failed) break ;; esac
   sleep 1
 done
-echo "==> kubectl get rljobs"
+kill "$watch_pid" 2>/dev/null || true
+echo "==> kubectl get rljobs -o wide"
 kubectl get rljobs -o wide
+echo "==> the driver's last lines (trainer pod 0; logs: .rljob/cluster/run/pod-logs/)"
+tail -n 2 .rljob/cluster/run/pod-logs/default_tiny-cpu-trainer-0.log | cut -c1-200
 echo "==> pods, services, configmaps and RBAC the operator created"
 kubectl get pods,services,configmaps,serviceaccounts,roles,rolebindings -l rljob.io/job=tiny-cpu -o wide
 echo "==> status.plan"
 kubectl get rljob tiny-cpu -o jsonpath='{.status.plan}'; echo
 echo
+[ "$phase" = "Succeeded" ] || { echo "tiny-cpu ended '$phase'; see .rljob/operator.log and the pod logs" >&2; exit 1; }
 echo "The local cluster is still up. Use it with:"
 echo "  $export_line"
 echo "Stop it with: make cluster-down"

@@ -102,7 +102,7 @@ INVALID_CASES: list[InvalidCase] = [
     # every CEL rule
     InvalidCase(
         "cel-lengths-fit-maxModelLen",
-        {"spec.lengths.maxModelLen": 20},
+        {"spec.lengths.maxModelLen": 16},
         "spec.lengths.maxModelLen",
         "at least maxPromptTokens + maxCompletionTokens",
     ),

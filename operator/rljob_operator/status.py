@@ -135,6 +135,11 @@ def _pods_summary(pods: Sequence[PodObservation], layout: JobLayout | None) -> t
     return running, desired
 
 
+def _significant(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: what `kubectl get rljobs` shows needs no more."""
+    return float(f"{value:.{digits}g}")
+
+
 def _progress(spec: api.RLJobSpec | None, report: SyncReport | None, old: api.ProgressStatus | None) -> Any:
     if report is None:
         if spec is None:
@@ -145,9 +150,9 @@ def _progress(spec: api.RLJobSpec | None, report: SyncReport | None, old: api.Pr
     return api.ProgressStatus(
         step=report.step,
         max_steps=spec.grpo.max_steps if spec else (old.max_steps if old else None),
-        mean_reward=report.mean_reward,
-        loss=report.loss,
-        tokens_per_second=report.tokens_per_s,
+        mean_reward=_significant(report.mean_reward),
+        loss=_significant(report.loss),
+        tokens_per_second=round(report.tokens_per_s, 1),
         last_sync_time=datetime.fromtimestamp(report.time, tz=timezone.utc),
     )
 

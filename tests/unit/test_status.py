@@ -159,6 +159,10 @@ def test_progress_from_latest_report() -> None:
     assert st_.progress.last_sync_time == T1 and st_.progress.mean_reward == 0.5
     assert st_.rollout is not None and st_.rollout.shared_engines_awake == 0  # plan has no shared engine
 
+    noisy = report.model_copy(update={"loss": -6.984919309616089e-09, "tokens_per_s": 37818.83554199268})
+    shown = compute(status.Situation("progressing"), pods=ALL_RUNNING, report=noisy).progress
+    assert shown is not None and shown.loss == -6.985e-09 and shown.tokens_per_second == 37818.8
+
 
 def test_status_patch_only_when_changed() -> None:
     new = compute(status.Situation("progressing"), pods=ALL_RUNNING)
