@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
 from kopf.testing import KopfRunner
 
 from testenv import fakelet
+from testenv.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "rljobs.rljob.io.yaml"
@@ -69,32 +70,16 @@ def cpu_node(cluster: Any) -> Iterator[str]:
     cluster.delete_nodes([name])
 
 
-def get_json(cluster: Any, namespace: str, *what: str) -> Any:
-    out = cluster.kubectl("get", "-n", namespace, *what, "-o", "json", check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else None
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {last!r}")
-
-
 def delete_job_and_wait(cluster: Any, namespace: str, job: str) -> None:
     """Delete the RLJob (while the operator runs: it holds a finalizer); the garbage collector deletes
     its pods and the local-exec kubelet stops their processes before it confirms each deletion."""
     cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false")
 
     def gone() -> bool:
-        data = get_json(cluster, namespace, "pods", "-l", f"rljob.io/job={job}")
+        data = cluster.get_json("pods", "-l", f"rljob.io/job={job}", namespace=namespace)
         return data is not None and not data["items"]
 
-    wait_for("the job's pods to be deleted", gone, 60)
+    wait_for("the job's pods to be deleted", gone, 60, interval_s=1.0)
     for name in (f"{job}-trainer-0", f"{job}-trainer-1"):
         assert not cluster.kubelet.local_pids(namespace, name), name
 
@@ -153,7 +138,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
 
             # 1. The operator's pods, bound by the real scheduler to the local-exec node, running.
             def running() -> list[dict[str, Any]]:
-                data = get_json(cluster, namespace, "pods", "-l", f"rljob.io/job={job}")
+                data = cluster.get_json("pods", "-l", f"rljob.io/job={job}", namespace=namespace)
                 items = sorted((data or {}).get("items", []), key=lambda p: p["metadata"]["name"])
                 ok = [p["metadata"]["name"] for p in items] == pod_names and all(
                     p["spec"].get("nodeName") == cpu_node
@@ -162,17 +147,17 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
                 )
                 return items if ok else []
 
-            items = wait_for("2 trainer pods on the local-exec node", running, 90)
+            items = wait_for("2 trainer pods on the local-exec node", running, 90, interval_s=1.0)
             for pod in items:
                 assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "rljob_trainer"]
 
             # 2. status.progress.step advances while it trains; the job ends Succeeded at maxSteps.
             def finished() -> dict[str, Any] | None:
-                status = (get_json(cluster, namespace, "rljob", job) or {}).get("status") or {}
+                status = (cluster.get_json("rljob", job, namespace=namespace) or {}).get("status") or {}
                 return status if status.get("phase") in ("Succeeded", "Failed") else None
 
             try:
-                status = wait_for("the job to finish", finished, 240)
+                status = wait_for("the job to finish", finished, 240, interval_s=1.0)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{pod_logs(cluster, namespace, pod_names)}") from None
             if status["phase"] != "Succeeded":
@@ -183,7 +168,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             watcher.terminate()
             watcher.wait(timeout=10)
             steps_seen = sorted({int(w) for w in watch_file.read_text().split() if w.isdigit()})
-            cm = get_json(cluster, namespace, "configmap", f"{job}-telemetry")
+            cm = cluster.get_json("configmap", f"{job}-telemetry", namespace=namespace)
             times = [r["time"] for r in json.loads(cm["data"]["reports.json"])]
             # seen advancing, not only the end
             assert len(steps_seen) >= 2, (steps_seen, [round(t - times[0], 2) for t in times])
@@ -193,7 +178,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             # 3. The driver wrote SyncReports itself, with the job's ServiceAccount (least privilege).
             from rljob_trainer import telemetry
 
-            cm = get_json(cluster, namespace, "configmap", f"{job}-telemetry")
+            cm = cluster.get_json("configmap", f"{job}-telemetry", namespace=namespace)
             reports = telemetry.parse_reports(cm["data"][telemetry.REPORTS_KEY])
             assert [r.step for r in reports] == list(range(1, E2E_MAX_STEPS + 1))
             assert all(r.mean_reward is not None and r.engine_seconds > 0 for r in reports)
@@ -206,7 +191,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             assert "joining the Ray cluster" in worker_log and "--address=127.0.0.1:" in worker_log, (
                 worker_log[-4000:]
             )
-            pod0 = get_json(cluster, namespace, "pod", pod_names[0])
+            pod0 = cluster.get_json("pod", pod_names[0], namespace=namespace)
             assert pod0["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
             elapsed = time.monotonic() - started
             sys.stderr.write(
@@ -218,6 +203,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
                 "no process of either pod left",
                 lambda: not any(cluster.kubelet.local_pids(namespace, n) for n in pod_names),
                 30,
+                interval_s=1.0,
             )
             delete_job_and_wait(cluster, namespace, job)
     finally:
@@ -243,11 +229,11 @@ def test_deleting_a_training_job_stops_every_local_process(
             cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
 
             def training() -> Any:
-                status = (get_json(cluster, namespace, "rljob", job) or {}).get("status") or {}
+                status = (cluster.get_json("rljob", job, namespace=namespace) or {}).get("status") or {}
                 return ((status.get("progress") or {}).get("step") or 0) >= 1
 
             try:
-                wait_for("the first step", training, 180)
+                wait_for("the first step", training, 180, interval_s=1.0)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{pod_logs(cluster, namespace, pod_names)}") from None
             pids = {n: cluster.kubelet.local_pids(namespace, n) for n in pod_names}

@@ -6,32 +6,15 @@ Every other integration test in rljob relies on these behaviours, so they are ch
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from testenv.cluster import LocalCluster
+from testenv.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout_s: float = 60, interval_s: float = 0.3, what: str = ""
-) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-
-
-def get_json(cluster: LocalCluster, *args: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
 WIDGET_CRD = """
@@ -62,10 +45,10 @@ def test_crd_and_custom_objects_round_trip_through_kubectl(cluster: LocalCluster
     cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.testenv.rljob.io", "--timeout=30s")
     widget = "apiVersion: testenv.rljob.io/v1\nkind: Widget\nmetadata: {name: w1}\nspec: {size: 3}\n"
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget)
-    assert get_json(cluster, "widget", "w1", "-n", namespace)["spec"]["size"] == 3
+    assert cluster.get_json("widget", "w1", "-n", namespace, check=True)["spec"]["size"] == 3
 
     cluster.kubectl("patch", "widget", "w1", "-n", namespace, "--type=merge", "-p", '{"spec":{"size":5}}')
-    assert get_json(cluster, "widget", "w1", "-n", namespace)["spec"]["size"] == 5
+    assert cluster.get_json("widget", "w1", "-n", namespace, check=True)["spec"]["size"] == 5
 
     rejected = cluster.kubectl(
         "patch", "widget", "w1", "-n", namespace, "--type=merge", "-p", '{"spec":{"size":0}}', check=False
@@ -94,15 +77,15 @@ def test_deployment_gets_replicaset_and_running_pods(cluster: LocalCluster, name
     }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(deployment))
     replicasets = wait_for(
-        lambda: get_json(cluster, "replicasets", "-n", namespace)["items"], what="a ReplicaSet"
+        "a ReplicaSet", lambda: cluster.get_json("replicasets", "-n", namespace, check=True)["items"]
     )
     assert replicasets[0]["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
 
     def running_pods() -> list[dict[str, Any]]:
-        pods = get_json(cluster, "pods", "-n", namespace, "-l", "app=web")["items"]
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "app=web", check=True)["items"]
         return [p for p in pods if p["status"].get("phase") == "Running"] if len(pods) == 2 else []
 
-    pods = wait_for(lambda: len(running_pods()) == 2 and running_pods(), what="two running pods")
+    pods = wait_for("two running pods", lambda: len(running_pods()) == 2 and running_pods())
     assert {p["spec"]["nodeName"] for p in pods} == {f"{pool}-0"}
     cluster.kubectl("rollout", "status", "deployment/web", "-n", namespace, "--timeout=60s")
 
@@ -142,28 +125,34 @@ def test_scheduler_binds_gpu_pod_to_node_with_room_and_leaves_the_rest_pending(
 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=_gpu_pod("fits", pool, 4))
     bound = wait_for(
-        lambda: get_json(cluster, "pod", "fits", "-n", namespace)["spec"].get("nodeName"), what="binding"
+        "binding",
+        lambda: cluster.get_json("pod", "fits", "-n", namespace, check=True)["spec"].get("nodeName"),
     )
     assert bound == f"{big}-0", "only the 8-GPU node has room for 4 GPUs"
-    wait_for(lambda: get_json(cluster, "pod", "fits", "-n", namespace)["status"].get("phase") == "Running")
+    wait_for(
+        "",
+        lambda: (
+            cluster.get_json("pod", "fits", "-n", namespace, check=True)["status"].get("phase") == "Running"
+        ),
+    )
 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=_gpu_pod("too-big", pool, 6))
 
     def unschedulable() -> bool:
-        pod = get_json(cluster, "pod", "too-big", "-n", namespace)
+        pod = cluster.get_json("pod", "too-big", "-n", namespace, check=True)
         conditions = {c["type"]: c for c in pod["status"].get("conditions", [])}
         scheduled = conditions.get("PodScheduled", {})
         return scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
 
-    wait_for(unschedulable, what="the scheduler to report Unschedulable")
-    pod = get_json(cluster, "pod", "too-big", "-n", namespace)
+    wait_for("the scheduler to report Unschedulable", unschedulable)
+    pod = cluster.get_json("pod", "too-big", "-n", namespace, check=True)
     assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending"
     assert "nvidia.com/gpu" in pod["status"]["conditions"][0]["message"]
 
 
 def test_deleting_an_owner_garbage_collects_its_children(cluster: LocalCluster, namespace: str) -> None:
     cluster.kubectl("create", "configmap", "owner", "-n", namespace)
-    owner_uid = get_json(cluster, "configmap", "owner", "-n", namespace)["metadata"]["uid"]
+    owner_uid = cluster.get_json("configmap", "owner", "-n", namespace, check=True)["metadata"]["uid"]
     child = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -175,8 +164,8 @@ def test_deleting_an_owner_garbage_collects_its_children(cluster: LocalCluster, 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(child))
     cluster.kubectl("delete", "configmap", "owner", "-n", namespace)
     wait_for(
+        "the garbage collector to delete the child",
         lambda: cluster.kubectl("get", "configmap", "child", "-n", namespace, check=False).returncode != 0,
-        what="the garbage collector to delete the child",
     )
 
 
@@ -211,7 +200,7 @@ def test_service_account_token_is_refused_what_its_role_does_not_grant(
     def get(*args: str) -> Any:
         return cluster.kubectl("get", *args, *as_sa, check=False)
 
-    assert wait_for(lambda: get("configmap", "allowed").returncode == 0, what="RBAC to allow the granted get")
+    assert wait_for("RBAC to allow the granted get", lambda: get("configmap", "allowed").returncode == 0)
     refused = get("configmap", "secret-ish")
     assert refused.returncode != 0 and "forbidden" in refused.stderr.lower()
     assert get("configmaps").returncode != 0, "list is not granted"
@@ -233,11 +222,11 @@ def test_fake_accelerator_nodes_are_ready_with_capacity_labels_taints_and_a_fres
         labels={"accelerator": "ascend-910b"},
         taints=taint,
     )
-    node = get_json(cluster, "node", name)
+    node = cluster.get_json("node", name, check=True)
     assert node["status"]["allocatable"]["huawei.com/Ascend910"] == "8"
     assert node["metadata"]["labels"]["accelerator"] == "ascend-910b"
     assert node["spec"]["taints"][0]["key"] == "huawei.com/Ascend910"
     ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
     assert ready == "True"
-    lease = get_json(cluster, "lease", name, "-n", "kube-node-lease")
+    lease = cluster.get_json("lease", name, "-n", "kube-node-lease", check=True)
     assert lease["spec"]["holderIdentity"] == name

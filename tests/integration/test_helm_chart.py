@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterable, Iterator
@@ -31,6 +30,7 @@ import yaml
 
 from rljob_operator import crd
 from rljob_operator.builders import rbac
+from testenv.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rljob"
@@ -135,17 +135,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_until(check: Any, timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def can(
@@ -454,7 +443,8 @@ def run_operator_as_service_account(
     with operator_process(argv, env, log) as proc:
         try:
             cluster.kubectl("apply", *job_ns_flag, "-f", str(EXAMPLE))
-            pods = wait_until(
+            pods = wait_for(
+                "the operator to create tiny-cpu's pods",
                 lambda: (
                     cluster.kubectl(
                         "get", "pods", *job_ns_flag, "-l", "rljob.io/job=tiny-cpu", "-o", "name", check=False
@@ -463,7 +453,7 @@ def run_operator_as_service_account(
                     else ["operator exited"]
                 ),
                 60,
-                "the operator to create tiny-cpu's pods",
+                interval_s=0.5,
             )
             assert sorted(pods) == ["pod/tiny-cpu-trainer-0", "pod/tiny-cpu-trainer-1"]
             for obj in (
@@ -475,14 +465,15 @@ def run_operator_as_service_account(
                 "configmap/tiny-cpu-telemetry",
             ):
                 assert exists(cluster, obj, *job_ns_flag), obj
-            wait_until(
+            wait_for(
+                "a status phase",
                 lambda: (
                     cluster.kubectl(
                         "get", "rljob/tiny-cpu", *job_ns_flag, "-o", "jsonpath={.status.phase}"
                     ).stdout
                 ),
                 30,
-                "a status phase",
+                interval_s=0.5,
             )
             with urllib.request.urlopen(f"http://127.0.0.1:{live_port}/healthz", timeout=5) as rsp:
                 assert rsp.status == 200

@@ -34,6 +34,8 @@ os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
 
 from kopf.testing import KopfRunner
 
+from testenv.waiting import wait_for
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,34 +138,18 @@ def apply(cluster: Any, namespace: str, obj: dict[str, Any]) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
 
 
-def get_json(cluster: Any, namespace: str, *what: str) -> Any:
-    out = cluster.kubectl("get", "-n", namespace, *what, "-o", "json", check=False)
-    return json.loads(out.stdout) if out.returncode == 0 else None
-
-
 def pods(cluster: Any, namespace: str, job: str) -> list[dict[str, Any]]:
-    data = get_json(cluster, namespace, "pods", "-l", f"rljob.io/job={job}")
+    data = cluster.get_json("pods", "-l", f"rljob.io/job={job}", namespace=namespace)
     return sorted(data["items"], key=lambda p: p["metadata"]["name"]) if data else []
 
 
 def job_status(cluster: Any, namespace: str, job: str) -> dict[str, Any]:
-    data = get_json(cluster, namespace, "rljob", job)
+    data = cluster.get_json("rljob", job, namespace=namespace)
     return (data or {}).get("status") or {}
 
 
 def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 60, interval_s: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {last!r}")
 
 
 def running_pods(cluster: Any, namespace: str, job: str, count: int) -> Callable[[], list[dict[str, Any]]]:
@@ -184,7 +170,7 @@ def test_rljob_becomes_placed_pods_with_owner_refs_and_status(
     with operator(namespace):
         apply(cluster, namespace, rljob("demo", pool_name))
         items = wait_for("3 running pods", running_pods(cluster, namespace, "demo", 3))
-        job = get_json(cluster, namespace, "rljob", "demo")
+        job = cluster.get_json("rljob", "demo", namespace=namespace)
         assert [p["metadata"]["name"] for p in items] == [
             "demo-rollout-0",
             "demo-trainer-0",
@@ -206,10 +192,12 @@ def test_rljob_becomes_placed_pods_with_owner_refs_and_status(
             ("role", "demo"),
             ("rolebinding", "demo"),
         ]:
-            obj = get_json(cluster, namespace, kind, name)
+            obj = cluster.get_json(kind, name, namespace=namespace)
             assert obj is not None, (kind, name)
             assert obj["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
-        config = json.loads(get_json(cluster, namespace, "configmap", "demo-config")["data"]["trainer.json"])
+        config = json.loads(
+            cluster.get_json("configmap", "demo-config", namespace=namespace)["data"]["trainer.json"]
+        )
         assert config["distributed"]["numTrainerRanks"] == 16
         st = wait_for(
             "phase Running",
@@ -324,17 +312,21 @@ def test_suspend_resume_and_delete_through_the_garbage_collector(
             lambda: (s := job_status(cluster, namespace, "sus")).get("phase") == "Suspended" and s,
         )
         assert condition(st, "Suspended")["status"] == "True"
-        assert get_json(cluster, namespace, "configmap", "sus-config") is not None  # the job is kept
+        assert cluster.get_json("configmap", "sus-config", namespace=namespace) is not None  # the job is kept
         cluster.kubectl(
             "patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
         )
         wait_for("pods back", running_pods(cluster, namespace, "sus", 3))
         wait_for("Running", lambda: job_status(cluster, namespace, "sus").get("phase") == "Running")
         cluster.kubectl("delete", "rljob", "sus", "-n", namespace, "--wait=false")
-        wait_for("RLJob gone", lambda: get_json(cluster, namespace, "rljob", "sus") is None, 60)
+        wait_for("RLJob gone", lambda: cluster.get_json("rljob", "sus", namespace=namespace) is None, 60)
     # The operator is stopped: only the garbage collector (owner references) can remove these now.
     wait_for("pods collected", lambda: not pods(cluster, namespace, "sus"), 90)
-    wait_for("config collected", lambda: get_json(cluster, namespace, "configmap", "sus-config") is None, 90)
+    wait_for(
+        "config collected",
+        lambda: cluster.get_json("configmap", "sus-config", namespace=namespace) is None,
+        90,
+    )
 
 
 def test_pod_failure_restarts_with_backoff_then_fails_at_the_limit(
@@ -398,7 +390,9 @@ def test_success_then_ttl_deletes_the_job(
             lambda: (s := job_status(cluster, namespace, "ttl")).get("phase") == "Succeeded" and s,
         )
         assert condition(st, "Complete")["status"] == "True" and st.get("completionTime")
-        wait_for("deleted after its TTL", lambda: get_json(cluster, namespace, "rljob", "ttl") is None, 30)
+        wait_for(
+            "deleted after its TTL", lambda: cluster.get_json("rljob", "ttl", namespace=namespace) is None, 30
+        )
 
 
 def test_semantic_errors_become_conditions_not_crash_loops(

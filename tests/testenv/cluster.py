@@ -17,6 +17,7 @@ local-exec nodes (`add_nodes(exec_local=True)`) runs their pods as processes on 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -92,6 +93,12 @@ class LocalCluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this cluster; raise with its stderr when `check` fails."""
         return self._run([str(self.bins["kubectl"]), *args], input=input, check=check, timeout=timeout)
+
+    def get_json(self, *what: str, namespace: str | None = None, check: bool = False) -> Any:
+        """`kubectl get WHAT -o json` parsed; None when it fails (e.g. not found) unless `check`."""
+        scope = ("-n", namespace) if namespace else ()
+        result = self.kubectl("get", *scope, *what, "-o", "json", check=check)
+        return json.loads(result.stdout) if result.returncode == 0 else None
 
     def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         env = {
