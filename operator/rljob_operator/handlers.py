@@ -538,26 +538,10 @@ async def _model_config(ctx: _Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
     return parsed
 
 
-def plan_status_from_resource_plan(plan: Any) -> api.PlanStatus:
-    """The estimator's `ResourcePlan` as the status/builders see it (`api.PlanStatus`)."""
-    return api.PlanStatus(
-        trainer_accelerators=plan.trainer_accelerators,
-        rollout_accelerators=plan.rollout_accelerators,
-        rollout_engines=plan.rollout_engines,
-        shared_engines=plan.shared_engines,
-        tensor_parallel=plan.tensor_parallel,
-        kv_bytes_per_token=plan.kv_bytes_per_token,
-        kv_cache_tokens=plan.kv_cache_tokens,
-        max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=plan.max_num_batched_tokens,
-        reasons=list(plan.reasons)[:64],
-    )
-
-
 def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
     """The estimator's plan (`planning.plan_job`: spec → PlanRequest → ResourcePlan) as a PlanStatus."""
     try:
-        return plan_status_from_resource_plan(planning.plan_job(spec, model_config))
+        return planning.plan_status(planning.plan_job(spec, model_config))
     except estimator_errors.EstimatorError:
         raise
     except (KeyError, TypeError, ValueError) as exc:

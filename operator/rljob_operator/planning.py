@@ -1,7 +1,8 @@
 """From an RLJob spec to the estimator's plan: the one adapter between `api` and `estimator`.
 
 Called by the operator's reconcile (`handlers._compute_plan`) and by `rljob plan`, so both see the
-same numbers. Pure: the model config is passed in, already read by the caller.
+same numbers; `plan_status` is the plan as `status.plan` and the builders see it. Pure: the model
+config is passed in, already read by the caller.
 """
 
 from __future__ import annotations
@@ -112,3 +113,23 @@ def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) ->
 def plan_job(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.ResourcePlan:
     """The plan the operator applies and `rljob plan` prints. Raises `EstimatorError`."""
     return est.plan_resources(plan_request_from_spec(spec, model_config))
+
+
+# status.plan keeps the reasons readable in `kubectl get -o yaml` without growing the object unbounded.
+MAX_PLAN_REASONS = 64
+
+
+def plan_status(plan: est.ResourcePlan) -> api.PlanStatus:
+    """The estimator's plan as the RLJob status and the builders see it."""
+    return api.PlanStatus(
+        trainer_accelerators=plan.trainer_accelerators,
+        rollout_accelerators=plan.rollout_accelerators,
+        rollout_engines=plan.rollout_engines,
+        shared_engines=plan.shared_engines,
+        tensor_parallel=plan.tensor_parallel,
+        kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_cache_tokens=plan.kv_cache_tokens,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        reasons=list(plan.reasons)[:MAX_PLAN_REASONS],
+    )

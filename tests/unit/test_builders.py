@@ -39,15 +39,38 @@ def make_spec(**overrides: Any) -> api.RLJobSpec:
     return api.RLJobSpec.model_validate(raw)
 
 
+def static_plan(spec: api.RLJobSpec) -> api.PlanStatus:
+    """A plan without the estimator, for builder/reconcile/status tests: the spec's static split
+    (or, without one, one node for the trainer and the rest for dedicated engines)."""
+    res = spec.resources
+    tp = res.rollout.tensor_parallel or 1
+    if res.static is not None:
+        trainer, rollout = res.static.trainer_accelerators, res.static.rollout_accelerators
+    else:
+        trainer = min(res.accelerators_per_node, res.total_accelerators)
+        rollout = res.total_accelerators - trainer
+    engines = rollout // tp
+    return api.PlanStatus(
+        trainer_accelerators=trainer,
+        rollout_accelerators=engines * tp,
+        rollout_engines=engines,
+        shared_engines=1 if engines == 0 else 0,
+        tensor_parallel=tp,
+        max_num_seqs=res.rollout.max_num_seqs,
+        max_num_batched_tokens=res.rollout.max_num_batched_tokens,
+        reasons=["static split read from spec.resources (test plan, no estimator)"],
+    )
+
+
 def all_objects(spec: api.RLJobSpec) -> list[dict[str, Any]]:
-    plan = builders.placeholder_static_plan(spec)
+    plan = static_plan(spec)
     layout = builders.compute_layout(spec, plan)
     return builders.build_pods(JOB, spec, layout)
 
 
 def test_layout_from_static_split() -> None:
     spec = make_spec()
-    plan = builders.placeholder_static_plan(spec)
+    plan = static_plan(spec)
     layout = builders.compute_layout(spec, plan)
     assert layout.trainer_accelerators == (8, 8)
     assert layout.rollout_pods == 2 and layout.rollout_accelerators_per_pod == 4
@@ -60,7 +83,7 @@ def test_layout_partial_last_trainer_node_and_no_static_split() -> None:
     spec = api.RLJobSpec.model_validate(
         {**spec.to_k8s(), "resources": {**spec.resources.to_k8s(), "mode": "estimate"}}
     )
-    plan = builders.placeholder_static_plan(spec)
+    plan = static_plan(spec)
     assert plan.trainer_accelerators == 8 and plan.rollout_engines == 4
     odd = api.PlanStatus(trainer_accelerators=12, rollout_engines=0, tensor_parallel=1)
     assert builders.compute_layout(spec, odd).trainer_accelerators == (8, 4)
@@ -165,7 +188,7 @@ def test_labels_and_hash_are_deterministic_and_sensitive() -> None:
     h = a[0]["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH]
     other = all_objects(make_spec(image={"trainer": "example.com/trainer:2"}))
     assert other[0]["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] != h
-    plan = builders.placeholder_static_plan(spec)
+    plan = static_plan(spec)
     layout = builders.compute_layout(spec, plan)
     changed = builders.build_trainer_pod(JOB, spec, layout, 0, config_hash="x")
     assert changed["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH] != h
@@ -184,7 +207,7 @@ def test_builders_do_not_mutate_input() -> None:
 
 def test_pod_index_bounds() -> None:
     spec = make_spec()
-    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    layout = builders.compute_layout(spec, static_plan(spec))
     with pytest.raises(ValueError, match="outside"):
         builders.build_trainer_pod(JOB, spec, layout, 2)
     with pytest.raises(ValueError, match=">= 0"):
@@ -243,7 +266,7 @@ def test_service_and_rbac() -> None:
 
 def test_config_map_renders_trainer_config() -> None:
     spec = make_spec(**{"resources.mode": "adaptive", "resources.adaptive": {"maxRolloutEngines": 1}})
-    plan = builders.placeholder_static_plan(spec)
+    plan = static_plan(spec)
     cm = builders.build_config_map(JOB, spec, plan, {"model_type": "llama"})
     assert cm["metadata"]["name"] == "demo-config"
     cfg = tc.parse_config(json.loads(cm["data"][tc.CONFIGMAP_KEY]))

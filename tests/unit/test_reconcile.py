@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_builders import JOB, make_spec
+from test_builders import JOB, make_spec, static_plan
 
 from rljob_operator import api, builders, errors, names, reconcile
 
@@ -21,7 +21,7 @@ def obs(
 
 def desired(attempt: int = 0, dedicated: int | None = None) -> list[dict[str, Any]]:
     spec = make_spec()
-    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec), dedicated)
+    layout = builders.compute_layout(spec, static_plan(spec), dedicated)
     return builders.build_pods(JOB, spec, layout, attempt=attempt)
 
 
@@ -136,7 +136,7 @@ def node(
 
 def test_capacity_fits_and_fails_with_a_message_naming_the_fix() -> None:
     spec = make_spec()
-    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    layout = builders.compute_layout(spec, static_plan(spec))
     reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8), node("c", 8)])
     with pytest.raises(errors.InsufficientCapacityError) as info:
         reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8)])
@@ -149,7 +149,7 @@ def test_capacity_respects_selectors_and_taints() -> None:
     spec = make_spec(
         trainerPool={"nodeSelector": {"pool": "t"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]},
     )
-    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec), 0)
+    layout = builders.compute_layout(spec, static_plan(spec), 0)
     tainted = (("gpu", "yes", "NoSchedule"),)
     reconcile.check_capacity(
         spec, layout, [node("a", 8, {"pool": "t"}, tainted), node("b", 8, {"pool": "t"})]
@@ -167,7 +167,7 @@ def test_capacity_respects_selectors_and_taints() -> None:
 
 def test_capacity_cpu_jobs_need_any_matching_node() -> None:
     spec = make_spec(**{"resources.accelerator": {"kind": "cpu"}})
-    layout = builders.compute_layout(spec, builders.placeholder_static_plan(spec))
+    layout = builders.compute_layout(spec, static_plan(spec))
     reconcile.check_capacity(spec, layout, [reconcile.NodeObservation("c", {}, (), {}, True)])
     with pytest.raises(errors.InsufficientCapacityError, match="schedulable"):
         reconcile.check_capacity(spec, layout, [])

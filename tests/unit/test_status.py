@@ -9,7 +9,7 @@ import pydantic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_builders import make_spec
+from test_builders import make_spec, static_plan
 
 from rljob_operator import api, builders, errors, reconcile, status
 from rljob_operator.estimator.errors import EstimatorError
@@ -18,7 +18,7 @@ from rljob_trainer.telemetry import SyncReport
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 T1 = T0 + timedelta(seconds=30)
 SPEC = make_spec()
-PLAN = builders.placeholder_static_plan(SPEC)
+PLAN = static_plan(SPEC)
 LAYOUT = builders.compute_layout(SPEC, PLAN)
 
 

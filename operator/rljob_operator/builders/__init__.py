@@ -10,7 +10,6 @@ from rljob_operator.builders.common import (
     JobRef,
     compute_layout,
     content_hash,
-    placeholder_static_plan,
     resource_name,
 )
 from rljob_operator.builders.configmaps import (
@@ -44,7 +43,6 @@ __all__ = [
     "build_trainer_pod",
     "compute_layout",
     "content_hash",
-    "placeholder_static_plan",
     "render_trainer_config",
     "resource_name",
 ]

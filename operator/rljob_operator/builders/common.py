@@ -85,34 +85,6 @@ def compute_layout(
     )
 
 
-def placeholder_static_plan(spec: api.RLJobSpec) -> api.PlanStatus:
-    """A plan without the estimator (tests, offline examples): the explicit `spec.resources.static` split.
-
-    The operator plans with the estimator (`planning.plan_job`); this stays as a reference.
-
-    Without a static split (modes estimate/adaptive), give the trainer one node and the rest to
-    dedicated engines. No KV arithmetic: maxNumSeqs/maxNumBatchedTokens stay unset.
-    """
-    res = spec.resources
-    tp = res.rollout.tensor_parallel or 1
-    if res.static is not None:
-        trainer, rollout = res.static.trainer_accelerators, res.static.rollout_accelerators
-    else:
-        trainer = min(res.accelerators_per_node, res.total_accelerators)
-        rollout = res.total_accelerators - trainer
-    engines = rollout // tp
-    return api.PlanStatus(
-        trainer_accelerators=trainer,
-        rollout_accelerators=engines * tp,
-        rollout_engines=engines,
-        shared_engines=1 if engines == 0 else 0,
-        tensor_parallel=tp,
-        max_num_seqs=res.rollout.max_num_seqs,
-        max_num_batched_tokens=res.rollout.max_num_batched_tokens,
-        reasons=["placeholder: static split read from spec.resources (estimator not wired in)"],
-    )
-
-
 def resource_name(spec: api.RLJobSpec) -> str | None:
     """The extended resource pods request (None for cpu jobs)."""
     acc = spec.resources.accelerator
