@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -763,28 +764,25 @@ class FakeKubelet:
                 raise ValueError(f"env {var.name}: fieldRef {path} is not supported on a local-exec node")
             return fields[path]
         if source.config_map_key_ref is not None:
-            ref = source.config_map_key_ref
-            try:
-                data = self._core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {}
-            except ApiException as error:
-                if error.status == 404 and ref.optional:
-                    return None
-                raise
-            if ref.key not in data and ref.optional:
-                return None
-            return str(data[ref.key])
+            value = self._key_ref(self._core.read_namespaced_config_map, source.config_map_key_ref, pod)
+            return None if value is None else str(value)
         if source.secret_key_ref is not None:
-            ref = source.secret_key_ref
-            try:
-                data = self._core.read_namespaced_secret(ref.name, pod.metadata.namespace).data or {}
-            except ApiException as error:
-                if error.status == 404 and ref.optional:
-                    return None
-                raise
-            if ref.key not in data and ref.optional:
-                return None
-            return base64.b64decode(data[ref.key]).decode()
+            value = self._key_ref(self._core.read_namespaced_secret, source.secret_key_ref, pod)
+            return None if value is None else base64.b64decode(value).decode()
         raise ValueError(f"env {var.name}: resourceFieldRef is not supported on a local-exec node")
+
+    @staticmethod
+    def _key_ref(read: Callable[[str, str], Any], ref: Any, pod: Any) -> str | None:
+        """A configMapKeyRef or secretKeyRef value (secrets stay base64); None when optional and absent."""
+        try:
+            data = read(ref.name, pod.metadata.namespace).data or {}
+        except ApiException as error:
+            if error.status == 404 and ref.optional:
+                return None
+            raise
+        if ref.key not in data and ref.optional:
+            return None
+        return data[ref.key]
 
     def _automount_token(self, pod: Any) -> bool:
         if pod.spec.automount_service_account_token is not None:
