@@ -118,7 +118,10 @@ def cmd_crd(args: argparse.Namespace) -> int:
     if args.stdout:
         sys.stdout.write(crd.render_crd_yaml())
         return 0
-    directories = [Path(d) for d in args.output_dir] if args.output_dir else list(REPO_CRD_DIRS)
+    # From a source checkout, both committed copies; from an installed package, ./crds.
+    in_checkout = (REPO_ROOT / "pyproject.toml").exists()
+    default = list(REPO_CRD_DIRS) if in_checkout else [Path("crds")]
+    directories = [Path(d) for d in args.output_dir] if args.output_dir else default
     if args.check:
         stale = [
             path
