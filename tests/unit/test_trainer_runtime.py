@@ -53,3 +53,24 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [6, 9]
     state, meta = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path))
     assert state == {"w": 9} and meta["step"] == 9
+
+
+def test_prometheus_endpoint_serves_the_step_metrics():
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = telemetry_sink.TelemetrySink(
+        enabled=False, job_name=None, namespace=None, configmap_name=None, prometheus_port=port
+    )
+    sink.publish([], {"step": 3, "mean_reward": 0.25, "dp_balance/imbalance_after": 1.01, "note": "text"})
+    sink.publish([], {"step": 4, "mean_reward": 0.5})
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in body.splitlines() if line.startswith("rljob_")
+    }
+    assert values["rljob_step"] == 4.0 and values["rljob_mean_reward"] == 0.5
+    assert values["rljob_dp_balance_imbalance_after"] == pytest.approx(1.01)
+    assert not any("note" in name for name in values), "non-numeric metrics are not exported"
