@@ -50,6 +50,7 @@ API_THREADS = 16
 # A terminating pod still holds its name; check again soon rather than at the next timer tick.
 WAIT_FOR_TERMINATION_S = 1.0
 RETRY_SEMANTIC_ERROR_S = 30.0
+CANCELLATION_POLLING_S = 1.0
 
 RLJOBS = (api.GROUP, api.VERSION, api.PLURAL)
 
@@ -233,6 +234,10 @@ async def rljob_startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = API_THREADS
+    # kopf releases the finalizer of a deleted RLJob only once its timer has exited, and re-checks an
+    # exiting timer every `cancellation_polling` seconds (default 60). The timer is often still
+    # running when the deletion arrives (it is what deletes a job whose TTL expired), so poll soon.
+    settings.background.cancellation_polling = CANCELLATION_POLLING_S
     memo["rljob"] = State(kube=Kube.from_environment())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
