@@ -185,6 +185,8 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             driver_log = cluster.pod_log(namespace, pod_names[0])
             worker_log = cluster.pod_log(namespace, pod_names[1])
             assert "telemetry: patch configmap" not in driver_log, driver_log[-4000:]
+            # The driver reads its engine targets back from the RLJob at every sync, under the same Role.
+            assert "telemetry: get rljob" not in driver_log, driver_log[-4000:]
             assert "no Kubernetes API" not in driver_log, driver_log[-4000:]
             assert f"done at step {E2E_MAX_STEPS}" in driver_log, driver_log[-4000:]
             # 4. Two pods, one Ray cluster: trainer-1 joined trainer-0's head on the job's port.
