@@ -1213,7 +1213,27 @@ class RLJobStatus(_Status):
     plan: PlanStatus | None = Field(None, description="The accelerator and engine plan in force.")
     rollout: RolloutStatus | None = Field(None, description="Rollout engines and the last adaptive decision.")
     progress: ProgressStatus | None = Field(None, description="Training progress.")
-    restarts: int | None = Field(None, ge=0, description="Times the job restarted after a failure.")
+    restarts: int | None = Field(
+        None,
+        ge=0,
+        description="Times the job's pods were restarted, after a failure or a disruption (the run "
+        "attempt stamped on pods).",
+    )
+    failures: int | None = Field(
+        None,
+        ge=0,
+        description="Pod failures counted against spec.restartPolicy.backoffLimit; evictions, "
+        "preemptions and lost nodes are disruptions and are not counted.",
+    )
+    disruptions: int | None = Field(
+        None, ge=0, description="Gang restarts after an eviction, a preemption or a lost node."
+    )
+    last_failure: str | None = Field(
+        None,
+        max_length=1024,
+        description="The cause of the last counted failure; the same deterministic cause twice in a "
+        "row ends the job.",
+    )
     start_time: Timestamp | None = Field(None, description="When the job's pods were first created.")
     completion_time: Timestamp | None = Field(None, description="When the job succeeded or failed.")
     last_checkpoint_step: int | None = Field(

@@ -1,18 +1,24 @@
-"""Semantic errors only the operator can detect, each naming the spec field and the fix.
+"""The one error hierarchy: every error a user sees names the field, the rule and the fix.
 
-Role: raised by the pure core (planning, capacity checks) and by the shell's readers; mapped to
-condition reasons in exactly one table, `rljob_operator.status.REASONS`. Each error says whether
-waiting can fix it (`retryable`): a ConfigMap that may still appear or nodes that may still join
-leave the job Pending, a model that cannot fit fails it.
+Role: raised by the pure core (estimator, planning, builders, capacity and volume checks) and by
+the shell's readers; `rljob_operator.status` turns any exception into a condition through
+`reason_of`/`retryable`, which read the class attributes here: `reason` (the CamelCase condition
+reason) and `retryable` (whether waiting or a change outside the spec can fix it: the job stays
+Pending and the operator retries; otherwise the job waits for a new spec generation). Anything
+that is not an `RLJobError` is a bug or an outage and becomes `InternalError`, quoting the
+exception, never a relabelled user error.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class RLJobError(Exception):
-    """Base class: `field` is the spec path to change, `message` says the rule, the limit and the fix."""
+    """Base class: `field` is the path to change, `message` says the rule, the limit and the fix."""
 
-    retryable: bool = False
+    reason: ClassVar[str] = "ReconcileError"
+    retryable: ClassVar[bool] = False
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -20,21 +26,107 @@ class RLJobError(Exception):
         self.message = message
 
 
+# ---- the spec -------------------------------------------------------------------------------------
 class InvalidSpecError(RLJobError):
-    """The spec does not validate (schema rules the CRD could not express)."""
+    """The spec does not validate (rules the CRD schema could not express)."""
+
+    reason = "InvalidSpec"
 
 
 class ModelConfigUnreadableError(RLJobError):
-    """The model's config.json could not be read or parsed; it may appear later."""
+    """The model's config.json could not be read or parsed; the ConfigMap may appear later."""
 
+    reason = "ModelConfigUnreadable"
     retryable = True
 
 
-class ModelDoesNotFitError(RLJobError):
-    """The estimator found no placement: the model or its KV cache does not fit the accelerators."""
+# ---- the estimator (pure: a model config and a plan request in, a plan out) -----------------------
+class EstimatorError(RLJobError, ValueError):
+    """The estimator's input is invalid or the model cannot be placed: no retry can fix it."""
+
+    reason = "InvalidModelConfig"
 
 
+class InvalidModelConfigError(EstimatorError):
+    """config.json lacks a field the KV/memory arithmetic needs, or holds a wrong value."""
+
+    reason = "InvalidModelConfig"
+
+
+class InvalidPlanRequestError(EstimatorError):
+    """The plan request (accelerators, lengths, batch) is inconsistent."""
+
+    reason = "InvalidPlanRequest"
+
+
+class UnknownAcceleratorError(EstimatorError):
+    """The accelerator model is neither in the catalog nor described in the spec."""
+
+    reason = "UnknownAccelerator"
+
+
+class UnknownPresetError(EstimatorError):
+    """spec.model.config.preset names no shipped preset."""
+
+    reason = "UnknownPreset"
+
+
+class ModelDoesNotFitError(EstimatorError):
+    """No split of the accelerators holds the model, its optimizer state and its KV cache."""
+
+    reason = "ModelDoesNotFit"
+
+
+class KVCacheTooSmallError(EstimatorError):
+    """The weights fit but leave less KV cache than one sequence of max_model_len needs."""
+
+    reason = "KVCacheTooSmall"
+
+
+# ---- the cluster ----------------------------------------------------------------------------------
 class InsufficientCapacityError(RLJobError):
     """The node pool has too few nodes or accelerators for the plan; nodes may join later."""
 
+    reason = "InsufficientAccelerators"
     retryable = True
+
+
+class ClaimNotFoundError(RLJobError):
+    """A PersistentVolumeClaim the spec mounts does not exist (yet) in the job's namespace."""
+
+    reason = "ClaimNotFound"
+    retryable = True
+
+
+class ClaimAccessModeError(RLJobError):
+    """A claim mounted by pods that may land on different nodes cannot be mounted by all of them."""
+
+    reason = "ClaimAccessMode"
+    retryable = True  # fixed by changing the claim, not the spec
+
+
+class InternalError(RLJobError):
+    """Anything unexpected: a bug or an outage. The message quotes the exception; kopf retries."""
+
+    reason = "InternalError"
+    retryable = True
+
+    @classmethod
+    def wrap(cls, step: str, exc: BaseException) -> InternalError:
+        error = cls(step, f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
+
+#: Every reason an estimator error may carry (the report and the CLI list them).
+ESTIMATOR_REASONS: tuple[str, ...] = tuple(
+    cls.reason
+    for cls in (
+        InvalidModelConfigError,
+        InvalidPlanRequestError,
+        UnknownAcceleratorError,
+        UnknownPresetError,
+        ModelDoesNotFitError,
+        KVCacheTooSmallError,
+    )
+)

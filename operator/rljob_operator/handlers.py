@@ -24,168 +24,32 @@ Environment (read once, here in the shell): `RLJOB_RECONCILE_INTERVAL_S` (timer,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 import kopf
-import kubernetes
-from kubernetes.client.rest import ApiException
+import pydantic
 
-from rljob_operator import api, builders, errors, metrics, names, planning, policy, reconcile, status
-from rljob_operator.estimator import errors as estimator_errors
+from rljob_operator import api, builders, errors, kube, metrics, names, planning, policy, reconcile, status
 from rljob_operator.estimator import presets
 from rljob_trainer import telemetry
 
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "10"))
 METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
-API_THREADS = 16
 # A terminating pod still holds its name; check again soon rather than at the next timer tick.
 WAIT_FOR_TERMINATION_S = 1.0
-RETRY_SEMANTIC_ERROR_S = 30.0
+RETRY_SEMANTIC_ERROR_S = 30.0  # a retryable error (a ConfigMap or nodes that may appear)
+RETRY_INTERNAL_ERROR_S = 10.0
 CANCELLATION_POLLING_S = 1.0
 
 RLJOBS = (api.GROUP, api.VERSION, api.PLURAL)
-
-
-# ---- the API edge --------------------------------------------------------------------------------
-class Kube:
-    """Thin async wrapper over the synchronous `kubernetes` client (calls run in a thread pool).
-
-    Counts every request in `metrics.API_REQUESTS` and every failure in `metrics.API_ERRORS`;
-    `create` treats 409 AlreadyExists and `delete` treats 404 NotFound as success.
-    """
-
-    def __init__(self, client: kubernetes.client.ApiClient, executor: concurrent.futures.Executor) -> None:
-        self.client = client
-        self.executor = executor
-        self.core = kubernetes.client.CoreV1Api(client)
-        self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        self.custom = kubernetes.client.CustomObjectsApi(client)
-        self._creators: dict[str, Callable[..., Any]] = {
-            "Pod": self.core.create_namespaced_pod,
-            "Service": self.core.create_namespaced_service,
-            "ConfigMap": self.core.create_namespaced_config_map,
-            "ServiceAccount": self.core.create_namespaced_service_account,
-            "Role": self.rbac.create_namespaced_role,
-            "RoleBinding": self.rbac.create_namespaced_role_binding,
-        }
-
-    @classmethod
-    def from_environment(cls) -> Kube:
-        """KUBECONFIG (or ~/.kube/config) when present, else the in-cluster ServiceAccount."""
-        cfg = kubernetes.client.Configuration()
-        # The kubernetes package reads $KUBECONFIG at import time; read it now instead.
-        path = (os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")).split(os.pathsep)[0]
-        if os.path.exists(path):
-            kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
-        else:
-            kubernetes.config.load_incluster_config(client_configuration=cfg)
-        cfg.connection_pool_maxsize = API_THREADS * 2
-        executor = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="rljob-api")
-        return cls(kubernetes.client.ApiClient(cfg), executor)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False)
-        self.client.close()
-
-    async def call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run `fn(*args, **kwargs)` without deserializing the response; returns the decoded JSON."""
-        metrics.API_REQUESTS.labels(verb, kind).inc()
-
-        def invoke() -> Any:
-            resp = fn(*args, _preload_content=False, **kwargs)
-            data = resp.data
-            return json.loads(data) if data else None
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, invoke)
-        except ApiException as exc:
-            if not ((verb == "create" and exc.status == 409) or (verb == "delete" and exc.status == 404)):
-                metrics.API_ERRORS.labels(verb, kind, str(exc.status)).inc()
-            raise
-
-    async def create(self, obj: dict[str, Any]) -> bool:
-        """Create `obj`; True when created, False when it already existed."""
-        kind = obj["kind"]
-        try:
-            await self.call("create", kind, self._creators[kind], obj["metadata"]["namespace"], obj)
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
-
-    async def delete_pod(self, namespace: str, name: str) -> bool:
-        try:
-            await self.call("delete", "Pod", self.core.delete_namespaced_pod, name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
-
-    async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self.call("get", "ConfigMap", self.core.read_namespaced_config_map, name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    async def apply_config_map(self, obj: dict[str, Any]) -> None:
-        """Create the ConfigMap, or replace its data when it differs (spec change)."""
-        if await self.create(obj):
-            return
-        meta = obj["metadata"]
-        current = await self.read_config_map(meta["namespace"], meta["name"])
-        if current is not None and current.get("data") == obj["data"]:
-            return
-        await self.call(
-            "patch",
-            "ConfigMap",
-            self.core.patch_namespaced_config_map,
-            meta["name"],
-            meta["namespace"],
-            {"data": obj["data"]},
-        )
-
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self.call(
-            "patch",
-            "RLJob",
-            self.custom.patch_namespaced_custom_object_status,
-            api.GROUP,
-            api.VERSION,
-            namespace,
-            api.PLURAL,
-            name,
-            {"status": patch},
-        )
-
-    async def delete_rljob(self, namespace: str, name: str) -> None:
-        try:
-            await self.call(
-                "delete",
-                "RLJob",
-                self.custom.delete_namespaced_custom_object,
-                api.GROUP,
-                api.VERSION,
-                namespace,
-                api.PLURAL,
-                name,
-                body={"propagationPolicy": "Background"},
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
 
 
 # ---- per-operator state (kopf memo: one per running operator, so one per event loop) -------------
@@ -197,11 +61,12 @@ class Cache:
     model_config: dict[str, Any] | None = None
     plan: api.PlanStatus | None = None
     applied: str | None = None  # hash of the non-pod children last applied
+    error: BaseException | None = None  # a spec error of this generation (waits for the next)
 
 
 @dataclasses.dataclass
 class State:
-    kube: Kube
+    kube: kube.Kube
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
     events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
@@ -233,12 +98,12 @@ async def rljob_startup(
     settings.networking.connect_timeout = 10
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.execution.max_workers = API_THREADS
+    settings.execution.max_workers = kube.API_THREADS
     # kopf releases the finalizer of a deleted RLJob only once its timer has exited, and re-checks an
     # exiting timer every `cancellation_polling` seconds (default 60). The timer is often still
     # running when the deletion arrives (it is what deletes a job whose TTL expired), so poll soon.
     settings.background.cancellation_polling = CANCELLATION_POLLING_S
-    memo["rljob"] = State(kube=Kube.from_environment())
+    memo["rljob"] = State(kube=kube.Kube.from_environment())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
 
@@ -283,9 +148,8 @@ def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
 
 # ---- the handlers --------------------------------------------------------------------------------
 def _handler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    keys = ("body", "spec", "meta", "name", "namespace", "memo", "logger")
+    keys = ("name", "namespace", "memo", "logger")
     out = {k: kwargs[k] for k in keys}
-    out["status_raw"] = kwargs["status"]
     out["pods_index"] = kwargs["rljob_pods"]
     out["telemetry_index"] = kwargs["rljob_telemetry"]
     out["nodes_index"] = kwargs["rljob_nodes"]
@@ -326,163 +190,284 @@ async def rljob_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
 
 
 # ---- reconcile -----------------------------------------------------------------------------------
-async def _reconcile(*, cause: str, name: str, namespace: str, memo: kopf.Memo, **kwargs: Any) -> None:
+async def _reconcile(
+    *,
+    cause: str,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    logger: Any,
+    pods_index: kopf.Index,
+    telemetry_index: kopf.Index,
+    nodes_index: kopf.Index,
+    **_: Any,
+) -> None:
     state = _state(memo)
     key = names.job_key(namespace, name)
     lock = state.locks.setdefault(key, asyncio.Lock())
     started = time.monotonic()
     try:
         async with lock:
-            await _reconcile_locked(state=state, key=key, name=name, namespace=namespace, **kwargs)
+            # Re-read inside the lock: the body kopf passed may predate the status another
+            # reconcile of this job just wrote (restarts, adaptive targets), and must not undo it.
+            body = await state.kube.read_rljob(namespace, name)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            raw_status = dict(body.get("status") or {})
+            ctx = _Ctx(
+                state=state,
+                key=key,
+                job=builders.JobRef(name, namespace),
+                body=body,
+                raw_spec=dict(body.get("spec") or {}),
+                generation=int(body["metadata"].get("generation") or 0),
+                old=api.RLJobStatus.model_validate(raw_status),
+                old_raw=raw_status,
+                pods=list(pods_index.get((namespace, name), [])),
+                telemetry_index=telemetry_index,
+                nodes_index=nodes_index,
+                logger=logger,
+                now=datetime.now(timezone.utc).replace(microsecond=0),
+            )
+            observed = await _run_steps(ctx)
+            await _write_status(ctx, observed)
     finally:
         metrics.RECONCILE_SECONDS.labels(cause).observe(time.monotonic() - started)
+    if ctx.retry_s is not None:
+        # kopf retries the handler; the status already says why.
+        raise kopf.TemporaryError(ctx.retry_why or "reconcile again", delay=ctx.retry_s)
 
 
 @dataclasses.dataclass
 class _Ctx:
-    """One reconcile's inputs, passed between its steps."""
+    """One reconcile's inputs (the RLJob as re-read inside the lock), shared by its steps."""
 
     state: State
     key: str
     job: builders.JobRef
-    body: kopf.Body
+    body: dict[str, Any]
+    raw_spec: dict[str, Any]
     generation: int
     old: api.RLJobStatus
     old_raw: dict[str, Any]
     pods: list[reconcile.PodObservation]
+    telemetry_index: kopf.Index
+    nodes_index: kopf.Index
     logger: Any
     now: datetime
+    model_config: dict[str, Any] | None = None
+    config_hash: str = ""
+    retry_s: float | None = None
+    retry_why: str = ""
+
+    def retry(self, delay_s: float, why: str) -> None:
+        """Ask kopf to run this reconcile again after `delay_s` (the soonest request wins)."""
+        if self.retry_s is None or delay_s < self.retry_s:
+            self.retry_s, self.retry_why = max(delay_s, 0.0), why
+
+    @property
+    def attempt(self) -> int:
+        return self.old.restarts or 0
 
 
-async def _reconcile_locked(
-    *,
-    state: State,
-    key: str,
-    name: str,
-    namespace: str,
-    body: kopf.Body,
-    spec: kopf.Spec,
-    meta: kopf.Meta,
-    status_raw: kopf.Status,
-    logger: Any,
-    pods_index: kopf.Index,
-    telemetry_index: kopf.Index,
-    nodes_index: kopf.Index,
-) -> None:
-    if meta.get("deletionTimestamp"):
-        return
-    old_raw = dict(status_raw or {})
-    ctx = _Ctx(
-        state=state,
-        key=key,
-        job=builders.JobRef(name, namespace),
-        body=body,
-        generation=int(meta.get("generation") or 0),
-        old=api.RLJobStatus.model_validate(old_raw),
-        old_raw=old_raw,
-        pods=list(pods_index.get((namespace, name), [])),
-        logger=logger,
-        now=datetime.now(timezone.utc).replace(microsecond=0),
+# A step reads what earlier steps observed and returns it extended, plus whether to stop here.
+Step = Callable[[_Ctx, status.Observed], Awaitable[tuple[status.Observed, bool]]]
+
+
+async def _run_steps(ctx: _Ctx) -> status.Observed:
+    """Run `STEPS` in order; any exception stops them and becomes the observed error.
+
+    Known errors (`errors.RLJobError`, a pydantic ValidationError of the spec) carry their own
+    reason; anything else is wrapped as `InternalError` naming the step and quoting the exception,
+    and kopf retries it. Nothing escapes without the status saying why.
+    """
+    seen = status.Observed()
+    for step in STEPS:
+        try:
+            seen, stop = await step(ctx, seen)
+        except (errors.RLJobError, pydantic.ValidationError) as exc:
+            if not isinstance(exc, errors.RLJobError) or exc.retryable:
+                ctx.retry(RETRY_SEMANTIC_ERROR_S, str(exc))
+            return dataclasses.replace(seen, error=exc)
+        except Exception as exc:
+            ctx.logger.exception(f"reconcile step {step.__name__} failed")
+            ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
+            return dataclasses.replace(seen, error=errors.InternalError.wrap(_step_label(step), exc))
+        if stop:
+            break
+    return seen
+
+
+def _step_label(step: Step) -> str:
+    return f"reconcile step {step.__name__.removeprefix('_step_')}"
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+def _spec_failure_fixed(ctx: _Ctx) -> bool:
+    """A job failed by its spec (it never planned) goes on once a new generation arrives."""
+    planned = status.find(ctx.old.conditions, status.PLANNED)
+    return (
+        ctx.old.phase == "Failed"
+        and planned is not None
+        and planned.status == "False"
+        and (ctx.old.observed_generation or 0) < ctx.generation
     )
-    if ctx.old.phase in api.FINISHED_PHASES:
-        await _finished(ctx, dict(spec))
-        return
 
-    # 1. parse, read the model config, plan.
+
+async def _step_finished(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A finished job: stop leftover pods, honour ttlSecondsAfterFinished, keep the status."""
+    if ctx.old.phase not in api.FINISHED_PHASES or _spec_failure_fixed(ctx):
+        return seen, False
+    await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+    ttl = ctx.raw_spec.get("ttlSecondsAfterFinished")
+    done = ctx.old.completion_time
+    if isinstance(ttl, int) and done is not None and done.timestamp() + ttl <= ctx.now.timestamp():
+        _post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
+        await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+    return dataclasses.replace(seen, finished=True), True
+
+
+async def _step_plan(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Parse the spec, read the model config, plan, lay out the pods (cached per generation)."""
+    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    if cache.generation == ctx.generation and cache.error is not None:
+        raise cache.error  # a spec error waits for a new generation: no API call until then
     try:
-        job_spec = api.RLJobSpec.model_validate(dict(spec))
-        bad_name = names.validate_job_name(name)
+        spec = api.RLJobSpec.model_validate(ctx.raw_spec)
+        bad_name = names.validate_job_name(ctx.job.name)
         if bad_name:
             raise errors.InvalidSpecError("metadata.name", bad_name)
-        plan, model_config = await _plan(ctx, job_spec)
-    except Exception as exc:  # every semantic error becomes a condition, never a crash loop
-        await _write_status(ctx, status.Situation("error", error=exc))
-        return
-
-    adaptive = job_spec.resources.mode == "adaptive"
+        plan, model_config = await _plan(ctx, spec)
+    except (errors.RLJobError, pydantic.ValidationError) as exc:
+        if not isinstance(exc, errors.RLJobError) or not exc.retryable:
+            cache.generation, cache.error, cache.plan = ctx.generation, exc, None
+        raise
+    ctx.model_config = model_config
+    adaptive = spec.resources.mode == "adaptive"
     desired_dedicated = ctx.old.rollout.desired_dedicated_engines if adaptive and ctx.old.rollout else None
-    layout = builders.compute_layout(job_spec, plan, desired_dedicated)
-    attempt = ctx.old.restarts or 0
-    common = {"spec": job_spec, "plan": plan, "layout": layout}
+    layout = builders.compute_layout(spec, plan, desired_dedicated)
+    current = [p for p in ctx.pods if p.attempt == ctx.attempt]
+    return dataclasses.replace(seen, spec=spec, plan=plan, layout=layout, pods=current), False
 
-    # 2. suspend: delete every pod, keep everything else.
-    if job_spec.suspend:
-        await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
-        await _write_status(ctx, status.Situation("suspended", restarts=attempt), **common)
-        return
 
-    # 3. the run's outcome so far.
-    outcome = reconcile.assess_pods(ctx.pods, attempt)
-    if outcome.succeeded:
-        # The final report too: a run shorter than the timer interval would end with no step/reward.
-        reports = _reports(ctx, telemetry_index)
-        await _write_status(
-            ctx,
-            status.Situation("succeeded", restarts=attempt),
-            report=reports[-1] if reports else None,
-            **common,
-        )
+def _spec_of(seen: status.Observed) -> api.RLJobSpec:
+    if seen.spec is None or seen.plan is None or seen.layout is None:
+        raise RuntimeError("a step ran before the plan step")
+    return seen.spec
+
+
+async def _step_suspend(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """spec.suspend: delete every pod, keep everything else."""
+    if not _spec_of(seen).suspend:
+        return seen, False
+    await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
+    return dataclasses.replace(seen, suspended=True), True
+
+
+async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Succeeded, failed, disrupted? The pure `reconcile.decide_restart` says; this step obeys."""
+    spec = _spec_of(seen)
+    assert_layout = seen.layout
+    nodes = {n.name for n in ctx.nodes_index.get("nodes", [])}
+    decision = reconcile.decide_restart(
+        ctx.pods,
+        attempt=ctx.attempt,
+        failures=ctx.old.failures or 0,
+        disruptions=ctx.old.disruptions or 0,
+        last_failure=ctx.old.last_failure,
+        policy=spec.restart_policy,
+        trainer_pods=assert_layout.trainer_pods if assert_layout else 0,
+        node_names=frozenset(nodes),
+    )
+    if decision.action == "run":
+        return seen, False
+    seen = dataclasses.replace(seen, decision=decision)
+    if decision.action in ("succeeded", "fail"):
+        if decision.action == "succeeded":
+            reports = _reports(ctx)
+            seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
         await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
-        return
-    if outcome.failed_pod is not None:
-        rp = job_spec.restart_policy
-        if rp.policy == "Never" or attempt >= rp.backoff_limit:
-            situation = status.Situation(
-                "failed",
-                failed_pod=outcome.failed_pod,
-                restarts=attempt,
-                backoff_limit_exceeded=rp.policy != "Never",
-            )
-            await _write_status(ctx, situation, **common)
-            await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
-            return
-        # Write the new attempt first: it is what marks the old pods stale, even after a crash.
-        await _write_status(
-            ctx, status.Situation("backoff", failed_pod=outcome.failed_pod, restarts=attempt + 1), **common
-        )
-        metrics.RESTARTS.inc()
-        await _delete_pods(ctx, [p.name for p in ctx.pods if not p.deleting], why="restart")
-        raise kopf.TemporaryError(
-            f"pod {outcome.failed_pod.name} failed; restart {attempt + 1} after backoff",
-            delay=reconcile.backoff_s(attempt + 1, rp),
-        )
+        return seen, True
+    # restart: the status (written at the tail) carries the new attempt, which is what marks the
+    # old pods stale even across a crash; the next reconcile deletes them and waits out the backoff.
+    metrics.RESTARTS.inc()
+    ctx.retry(WAIT_FOR_TERMINATION_S, f"restart {decision.attempt}: {decision.cause}")
+    return seen, True
 
-    # 4. backoff after a failure still running?
-    failed_at = status.restart_due_at(ctx.old)
-    if failed_at is not None:
-        remaining = (
-            failed_at.timestamp()
-            + reconcile.backoff_s(attempt, job_spec.restart_policy)
-            - ctx.now.timestamp()
-        )
-        stale = [p.name for p in ctx.pods if p.attempt != attempt and not p.deleting]
-        await _delete_pods(ctx, stale, why="restart")
-        if remaining > 0:
-            raise kopf.TemporaryError(f"restart {attempt} waits for its backoff", delay=remaining)
 
-    # 5. children other than pods (once per generation/config; AlreadyExists is success).
-    config_map = builders.build_config_map(ctx.job, job_spec, plan, model_config)
-    config_hash = builders.content_hash(config_map["data"])
-    await _apply_children(ctx, config_map, config_hash)
+async def _step_backoff(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A pending restart: delete the old attempt's pods, and wait out the backoff after a failure."""
+    pending = status.pending_restart(ctx.old)
+    if pending is None:
+        return seen, False
+    since, disruption = pending
+    stale = [p.name for p in ctx.pods if p.attempt != ctx.attempt and not p.deleting]
+    await _delete_pods(ctx, stale, why="restart")
+    wait = reconcile.restart_wait_s(
+        since, disruption, ctx.old.failures or 0, _spec_of(seen).restart_policy, ctx.now
+    )
+    if wait > 0:
+        ctx.retry(wait, f"restart {ctx.attempt} waits for its backoff")
+        return dataclasses.replace(seen, restart_wait_s=wait), True
+    return seen, False
 
-    # 6. capacity: only before the first pod of an attempt exists ("can this ever fit?").
-    if not any(p.attempt == attempt for p in ctx.pods):
-        nodes = list(nodes_index.get("nodes", []))
-        try:
-            reconcile.check_capacity(job_spec, layout, nodes)
-        except errors.InsufficientCapacityError as exc:
-            await _write_status(ctx, status.Situation("error", error=exc, restarts=attempt), **common)
-            return
 
-    # 7. adaptive: turn the telemetry history into engine targets.
-    reports = _reports(ctx, telemetry_index)
-    if adaptive and reports:
-        layout = await _adapt(ctx, job_spec, plan, layout, reports)
-        common["layout"] = layout
+async def _step_children(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Everything but pods (once per generation/config; AlreadyExists is success)."""
+    spec = _spec_of(seen)
+    assert seen.plan is not None
+    config_map = builders.build_config_map(ctx.job, spec, seen.plan, ctx.model_config)
+    ctx.config_hash = builders.content_hash(config_map["data"])
+    await _apply_children(ctx, config_map, ctx.config_hash)
+    return seen, False
 
-    # 8. pods: delete the stale, create the missing in index order.
-    desired = builders.build_pods(ctx.job, job_spec, layout, attempt=attempt, config_hash=config_hash)
-    diff = reconcile.diff_pods(desired, ctx.pods, attempt)
+
+def _first_pods_of_attempt(ctx: _Ctx) -> bool:
+    return not any(p.attempt == ctx.attempt for p in ctx.pods)
+
+
+async def _step_volumes(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Before an attempt's first pod: every claim exists and every pod that mounts it can."""
+    if not _first_pods_of_attempt(ctx):
+        return seen, False
+    assert seen.layout is not None
+    uses = reconcile.claims_of(_spec_of(seen), seen.layout)
+    claims = {u.claim: await ctx.state.kube.read_pvc(ctx.job.namespace, u.claim) for u in uses}
+    reconcile.check_claims(uses, claims, ctx.job.namespace)
+    return seen, False
+
+
+async def _step_capacity(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Before an attempt's first pod: can the pools ever hold the layout?"""
+    if _first_pods_of_attempt(ctx):
+        assert seen.layout is not None
+        reconcile.check_capacity(_spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
+    return seen, False
+
+
+async def _step_adapt(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Adaptive mode: turn the telemetry history into engine targets (`policy.decide()`)."""
+    spec = _spec_of(seen)
+    reports = _reports(ctx)
+    seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
+    if spec.resources.mode != "adaptive" or not reports:
+        return seen, False
+    assert seen.plan is not None and seen.layout is not None
+    rollout = await _adapt(ctx, spec, seen.plan, seen.layout, reports)
+    if rollout is None:
+        return seen, False
+    layout = builders.compute_layout(spec, seen.plan, rollout.desired_dedicated_engines)
+    return dataclasses.replace(seen, rollout=rollout, layout=layout), False
+
+
+async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Delete the stale pods, create the missing ones in index order (trainer 0 first)."""
+    spec = _spec_of(seen)
+    assert seen.layout is not None
+    desired = builders.build_pods(
+        ctx.job, spec, seen.layout, attempt=ctx.attempt, config_hash=ctx.config_hash
+    )
+    diff = reconcile.diff_pods(desired, ctx.pods, ctx.attempt)
     await _delete_pods(ctx, diff.delete, why="stale")
     created = []
     for pod in diff.create:
@@ -492,20 +477,27 @@ async def _reconcile_locked(
             created.append(pod["metadata"]["name"])
     if created:
         _post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
-    waiting = diff.waiting + tuple(created)
-    await _write_status(
-        ctx,
-        status.Situation("progressing", restarts=attempt, waiting=waiting),
-        report=reports[-1] if reports else None,
-        **common,
-    )
     if diff.waiting:
-        raise kopf.TemporaryError(
-            f"waiting for {', '.join(diff.waiting)} to terminate", delay=WAIT_FOR_TERMINATION_S
-        )
+        ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
+    return dataclasses.replace(seen, waiting=diff.waiting + tuple(created)), False
 
 
-# ---- steps ---------------------------------------------------------------------------------------
+#: The reconcile, in order. Each step returns what it observed; `compute_status` reads it all once.
+STEPS: tuple[Step, ...] = (
+    _step_finished,
+    _step_plan,
+    _step_suspend,
+    _step_outcome,
+    _step_backoff,
+    _step_children,
+    _step_volumes,
+    _step_capacity,
+    _step_adapt,
+    _step_pods,
+)
+
+
+# ---- step helpers --------------------------------------------------------------------------------
 async def _model_config(ctx: _Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
     src = spec.model.config
     if src.inline is not None:
@@ -544,14 +536,11 @@ async def _model_config(ctx: _Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
 
 
 def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
-    """The estimator's plan (`planning.plan_job`: spec → PlanRequest → ResourcePlan) as a PlanStatus."""
-    try:
-        return planning.plan_status(planning.plan_job(spec, model_config))
-    except estimator_errors.EstimatorError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        message = f"the estimator could not plan this job: {exc}"
-        raise errors.ModelDoesNotFitError("spec.resources", message) from exc
+    """The estimator's plan (`planning.plan_job`: spec -> PlanRequest -> ResourcePlan) as a PlanStatus.
+
+    Estimator errors carry their own reason; anything else is a bug and surfaces as InternalError.
+    """
+    return planning.plan_status(planning.plan_job(spec, model_config))
 
 
 async def _plan(ctx: _Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
@@ -561,6 +550,7 @@ async def _plan(ctx: _Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[st
     model_config = await _model_config(ctx, spec)
     plan = _compute_plan(spec, model_config)
     cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
+    cache.error = None
     return plan, model_config
 
 
@@ -593,8 +583,8 @@ async def _delete_pods(ctx: _Ctx, pod_names: Sequence[str], *, why: str) -> None
         _post(ctx, "Normal", "PodsDeleted", f"deleted {', '.join(deleted)} ({why})")
 
 
-def _reports(ctx: _Ctx, telemetry_index: kopf.Index) -> list[telemetry.SyncReport]:
-    raw = next(iter(telemetry_index.get((ctx.job.namespace, ctx.job.name), [])), "")
+def _reports(ctx: _Ctx) -> list[telemetry.SyncReport]:
+    raw = next(iter(ctx.telemetry_index.get((ctx.job.namespace, ctx.job.name), [])), "")
     try:
         return telemetry.parse_reports(raw)
     except ValueError as exc:  # json and pydantic errors: a bad write must not stop the job
@@ -608,8 +598,8 @@ async def _adapt(
     plan: api.PlanStatus,
     layout: builders.JobLayout,
     reports: list[telemetry.SyncReport],
-) -> builders.JobLayout:
-    """Call `policy.decide()`; persist changed targets in status first, then return the new layout."""
+) -> api.RolloutStatus | None:
+    """Call `policy.decide()`; the new targets (None: no change) are persisted with the status."""
     rollout = ctx.old.rollout or api.RolloutStatus()
     last = rollout.last_decision_time.timestamp() if rollout.last_decision_time else None
     shared_total = plan.shared_engines or 0
@@ -625,11 +615,11 @@ async def _adapt(
     settings = policy.PolicySettings.from_adaptive_spec(spec.resources.adaptive)
     decision = policy.decide(state, reports, settings, ctx.now.timestamp())
     if decision.action == "none":
-        return layout
+        return None
     metrics.DECISIONS.labels(decision.action).inc()
     ctx.logger.info(f"adaptive decision {decision.action}: {decision.reason}")
     _post(ctx, "Normal", f"Adaptive{_camel(decision.action)}", decision.reason)
-    new_rollout = rollout.model_copy(
+    return rollout.model_copy(
         update={
             "desired_shared_awake": decision.desired_shared_awake,
             "desired_dedicated_engines": decision.desired_dedicated_engines,
@@ -638,50 +628,15 @@ async def _adapt(
             "last_decision_time": ctx.now,
         }
     )
-    await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, {"rollout": new_rollout.to_k8s()})
-    ctx.old = ctx.old.model_copy(update={"rollout": new_rollout})
-    ctx.old_raw = {**ctx.old_raw, "rollout": new_rollout.to_k8s()}
-    return builders.compute_layout(spec, plan, decision.desired_dedicated_engines)
 
 
 def _camel(action: str) -> str:
     return "".join(part.capitalize() for part in action.split("_"))
 
 
-async def _finished(ctx: _Ctx, raw_spec: dict[str, Any]) -> None:
-    """A finished job: stop leftover pods, honour ttlSecondsAfterFinished, keep the status."""
-    await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
-    ttl = raw_spec.get("ttlSecondsAfterFinished")
-    done = ctx.old.completion_time
-    if isinstance(ttl, int) and done is not None and done.timestamp() + ttl <= ctx.now.timestamp():
-        _post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
-        await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
-        return
-    await _write_status(ctx, status.Situation("finished"))
-
-
-async def _write_status(
-    ctx: _Ctx,
-    situation: status.Situation,
-    *,
-    spec: api.RLJobSpec | None = None,
-    plan: api.PlanStatus | None = None,
-    layout: builders.JobLayout | None = None,
-    report: telemetry.SyncReport | None = None,
-) -> None:
-    """Compute the status, write it only if it changed, post Events for condition transitions."""
-    current = [p for p in ctx.pods if p.attempt == (situation.restarts or ctx.old.restarts or 0)]
-    new = status.compute_status(
-        ctx.old,
-        situation,
-        generation=ctx.generation,
-        now=ctx.now,
-        spec=spec,
-        plan=plan,
-        layout=layout,
-        pods=current,
-        report=report,
-    )
+async def _write_status(ctx: _Ctx, observed: status.Observed) -> None:
+    """The reconcile's one status write: compute, write only if changed, post Events on transitions."""
+    new = status.compute_status(ctx.old, observed, generation=ctx.generation, now=ctx.now)
     patch = status.status_patch(ctx.old_raw, new)
     if patch is not None:
         await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch)
@@ -690,13 +645,6 @@ async def _write_status(
             kind = status.event_type(cond)
             if cond.type in known or kind == "Warning":  # a condition's first Normal value is no news
                 _post(ctx, kind, cond.reason, cond.message or f"{cond.type}={cond.status}")
-        if situation.kind == "error" and situation.error is not None:
-            kopf.warn(
-                ctx.body,
-                reason=status.reason_for(situation.error),
-                message=status.message_for(situation.error),
-            )
-        ctx.old, ctx.old_raw = new, new.to_k8s()
     if new.phase:
         ctx.state.phases[ctx.key] = new.phase
         metrics.set_phase_counts(ctx.state.phases)

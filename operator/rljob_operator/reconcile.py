@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from datetime import datetime
+from typing import Any, Literal
 
 from rljob_operator import api, errors, names
 from rljob_operator.builders.common import JobLayout, resource_name
@@ -20,7 +21,14 @@ from rljob_operator.builders.common import JobLayout, resource_name
 
 @dataclasses.dataclass(frozen=True)
 class PodObservation:
-    """What the operator needs to know about one pod of a job."""
+    """What the operator needs to know about one pod of a job.
+
+    `exit_code`/`message` describe a terminated container (`message` is its termination message,
+    else the runtime's reason); `unschedulable` is the scheduler's `PodScheduled=False` message;
+    `waiting_reason`/`waiting_message` a container stuck before it runs (ImagePullBackOff,
+    CreateContainerConfigError, ...); `disruption` says why the cluster took the pod away
+    (eviction, preemption, taint manager, pod GC) when it did.
+    """
 
     name: str
     role: str
@@ -32,6 +40,11 @@ class PodObservation:
     deleting: bool = False
     exit_code: int | None = None
     message: str = ""
+    unschedulable: str = ""
+    waiting_reason: str = ""
+    waiting_message: str = ""
+    disruption: str = ""
+    termination_message: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +65,12 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
+# Waiting reasons that are progress, not trouble.
+_BENIGN_WAITING = frozenset({"", "ContainerCreating", "PodInitializing"})
+# Pod-level `status.reason` values the kubelet sets when it evicts or preempts a pod.
+_DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "Terminated", "Shutdown", "NodeLost"})
+
+
 def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
     """A pod of some RLJob (labelled by the operator), or None when it is not one."""
     meta = pod.get("metadata") or {}
@@ -62,12 +81,30 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         return None
     status = pod.get("status") or {}
     exit_code: int | None = None
-    message = status.get("message") or ""
+    message = termination_message = ""
+    waiting_reason = waiting_message = ""
     for cs in status.get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
-        if term:
+        state = cs.get("state") or {}
+        term = state.get("terminated")
+        if term and exit_code is None:
             exit_code = term.get("exitCode")
-            message = message or term.get("reason") or term.get("message") or ""
+            termination_message = (term.get("message") or "").strip()
+            message = termination_message or term.get("reason") or ""
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") not in _BENIGN_WAITING and not waiting_reason:
+            waiting_reason = waiting.get("reason") or ""
+            waiting_message = f"container {cs.get('name')}: {waiting.get('message') or waiting_reason}"
+    unschedulable = disruption = ""
+    for cond in status.get("conditions") or []:
+        scheduled = cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+        if scheduled and cond.get("reason") == "Unschedulable":
+            unschedulable = cond.get("message") or "the scheduler found no node"
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            disruption = f"{cond.get('reason') or 'Disrupted'}: {cond.get('message') or ''}".rstrip(": ")
+    if not disruption and status.get("reason") in _DISRUPTION_REASONS:
+        disruption = f"{status['reason']}: {status.get('message') or ''}".rstrip(": ")
+    if not message:
+        message = status.get("message") or ""
     return PodObservation(
         name=meta.get("name", ""),
         role=role,
@@ -79,6 +116,11 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         deleting=meta.get("deletionTimestamp") is not None,
         exit_code=exit_code,
         message=message,
+        unschedulable=unschedulable,
+        waiting_reason=waiting_reason,
+        waiting_message=waiting_message,
+        disruption=disruption,
+        termination_message=termination_message[-1024:],
     )
 
 
@@ -99,34 +141,148 @@ def observe_node(node: Mapping[str, Any]) -> NodeObservation:
     )
 
 
-# ---- run outcome ---------------------------------------------------------------------------------
+# ---- run outcome and the restart decision ------------------------------------------------------
+Action = Literal["run", "succeeded", "restart", "fail"]
+
+
 @dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What the pods of the current attempt say about the run."""
+class RestartDecision:
+    """What the current attempt's pods mean for the run (pure; `decide_restart` makes it).
 
-    succeeded: bool = False
-    failed_pod: PodObservation | None = None
+    - run: nothing ended; keep reconciling pods.
+    - succeeded: trainer 0 exited 0.
+    - restart: a new attempt (`attempt`) replaces every pod after `delay_s`; `disruption` says the
+      cluster took a pod away (eviction, preemption, lost node), which is not counted in `failures`.
+    - fail: the job ends; `reason` says why (RestartPolicyNever, BackoffLimitExceeded, RepeatedFailure).
+    `cause` is the sentence a user reads: which pod, what happened, the termination message.
+    """
+
+    action: Action
+    attempt: int
+    failures: int
+    disruptions: int
+    reason: str = ""
+    cause: str = ""
+    pod: PodObservation | None = None
+    disruption: bool = False
+    delay_s: float = 0.0
+    fingerprint: str | None = None  # the cause compared with the next failure's (status.lastFailure)
 
 
-def assess_pods(pods: Iterable[PodObservation], attempt: int) -> Outcome:
-    """Trainer 0 (the driver) succeeding ends the run; any failed pod of this attempt fails it.
+def backoff_s(failures: int, policy: api.RestartPolicySpec) -> float:
+    """Delay before the restart after failure number `failures` (1-based): initial · 2^(n−1), capped."""
+    if failures < 1:
+        return 0.0
+    exponent = min(failures - 1, 30)
+    return float(min(policy.initial_backoff_seconds * (2**exponent), policy.max_backoff_seconds))
 
-    Pods of older attempts are ignored: their failure was already counted.
+
+def _failure_cause(pod: PodObservation) -> str:
+    code = f" with exit code {pod.exit_code}" if pod.exit_code is not None else ""
+    return f"pod {pod.name} failed{code}" + (f": {pod.message}" if pod.message else "")
+
+
+def _lost(pod: PodObservation, node_names: frozenset[str] | None) -> str:
+    """Why the cluster took `pod` away, or "" when it did not."""
+    if pod.disruption:
+        return pod.disruption
+    if node_names is not None and pod.node_name and pod.node_name not in node_names:
+        return f"NodeLost: node {pod.node_name} no longer exists"
+    return ""
+
+
+def decide_restart(
+    pods: Iterable[PodObservation],
+    *,
+    attempt: int,
+    failures: int,
+    disruptions: int,
+    last_failure: str | None,
+    policy: api.RestartPolicySpec,
+    trainer_pods: int,
+    node_names: frozenset[str] | None = None,
+) -> RestartDecision:
+    """Succeeded, failed, disrupted or still running: the decision for the current attempt.
+
+    Pods of older attempts are ignored (their end was already counted). A disruption (a pod with a
+    `DisruptionTarget` condition or evicted by its kubelet, a pod whose node is gone, or a trainer
+    pod that vanished while the others still run) restarts the whole gang at once and does not count
+    against `backoffLimit`, like Job's `podFailurePolicy` Ignore rule: the Ray cluster and the
+    torch.distributed group cannot take a replaced member. A failure counts; the same termination
+    message twice in a row is deterministic and ends the job instead of burning the backoff.
     """
     current = [p for p in pods if p.attempt == attempt]
+    same = {"attempt": attempt, "failures": failures, "disruptions": disruptions}
     for p in current:
         if p.role == names.ROLE_TRAINER and p.index == 0 and p.phase == "Succeeded":
-            return Outcome(succeeded=True)
-    failed = sorted((p for p in current if p.phase == "Failed"), key=lambda p: (p.role != "trainer", p.index))
-    return Outcome(failed_pod=failed[0] if failed else None)
+            return RestartDecision(
+                "succeeded", reason="TrainingSucceeded", cause="trainer pod 0 exited 0", **same
+            )
+    order = sorted(current, key=lambda p: (p.role != names.ROLE_TRAINER, p.index))
+    lost = [(p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))]
+    live_trainers = {p.index for p in current if p.role == names.ROLE_TRAINER and not p.deleting}
+    if not lost and any(
+        p.role == names.ROLE_TRAINER and p.phase == "Running" and not p.deleting for p in current
+    ):
+        missing = sorted(set(range(trainer_pods)) - live_trainers)
+        if missing:
+            lost = [(None, f"trainer pod {missing[0]} of attempt {attempt} disappeared")]
+    if lost:
+        pod, why = lost[0]
+        who = f"pod {pod.name} was disrupted ({why})" if pod is not None else why
+        return RestartDecision(
+            "restart",
+            attempt=attempt + 1,
+            failures=failures,
+            disruptions=disruptions + 1,
+            reason="Disrupted",
+            cause=who,
+            pod=pod,
+            disruption=True,
+        )
+    failed = [p for p in order if p.phase == "Failed"]
+    if not failed:
+        return RestartDecision("run", **same)
+    pod = failed[0]
+    cause = _failure_cause(pod)
+    fingerprint = pod.termination_message or None
+    ended = {"attempt": attempt, "failures": failures + 1, "disruptions": disruptions, "pod": pod}
+    if policy.policy == "Never":
+        return RestartDecision(
+            "fail", reason="RestartPolicyNever", cause=cause, fingerprint=fingerprint, **ended
+        )
+    if fingerprint is not None and fingerprint == last_failure:
+        return RestartDecision(
+            "fail", reason="RepeatedFailure", cause=cause, fingerprint=fingerprint, **ended
+        )
+    if failures >= policy.backoff_limit:
+        return RestartDecision(
+            "fail", reason="BackoffLimitExceeded", cause=cause, fingerprint=fingerprint, **ended
+        )
+    return RestartDecision(
+        "restart",
+        attempt=attempt + 1,
+        failures=failures + 1,
+        disruptions=disruptions,
+        reason="PodFailed",
+        cause=cause,
+        pod=pod,
+        delay_s=backoff_s(failures + 1, policy),
+        fingerprint=fingerprint,
+    )
 
 
-def backoff_s(restarts: int, policy: api.RestartPolicySpec) -> float:
-    """Delay before restart number `restarts` (1-based): initial · 2^(restarts−1), capped at max."""
-    if restarts < 1:
+def restart_wait_s(
+    restarting_since: datetime | None,
+    disruption: bool,
+    failures: int,
+    policy: api.RestartPolicySpec,
+    now: datetime,
+) -> float:
+    """Seconds left of the backoff before the pods of a pending restart may be created (0: now)."""
+    if restarting_since is None or disruption:
         return 0.0
-    exponent = min(restarts - 1, 30)
-    return float(min(policy.initial_backoff_seconds * (2**exponent), policy.max_backoff_seconds))
+    return max(0.0, restarting_since.timestamp() + backoff_s(failures, policy) - now.timestamp())
 
 
 # ---- pod diff ------------------------------------------------------------------------------------
@@ -247,3 +403,62 @@ def check_capacity(spec: api.RLJobSpec, layout: JobLayout, nodes: Iterable[NodeO
         # Best fit: the fullest node that still holds the pod keeps big nodes for big pods.
         best = min(candidates, key=lambda n: (free[n.name], n.name))
         free[best.name] -= need if res_name else 0
+
+
+# ---- volumes ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ClaimUse:
+    """A PersistentVolumeClaim the pods mount: the spec field, how many pods, read-only or not."""
+
+    field: str
+    claim: str
+    pods: int
+    read_only: bool
+
+
+def claims_of(spec: api.RLJobSpec, layout: JobLayout) -> list[ClaimUse]:
+    """Every claim the job's pods mount (builders.pods mounts model in all pods, the rest in trainers)."""
+    out = []
+    ckpt = spec.checkpoint.volume.claim_name
+    if ckpt is not None:
+        out.append(ClaimUse("spec.checkpoint.volume.claimName", ckpt, layout.trainer_pods, False))
+    model = spec.model.source.pvc
+    if model is not None:
+        pods = layout.trainer_pods + layout.rollout_pods
+        out.append(ClaimUse("spec.model.source.pvc.claimName", model.claim_name, pods, True))
+    data = spec.data.source.pvc
+    if data is not None:
+        out.append(ClaimUse("spec.data.source.pvc.claimName", data.claim_name, layout.trainer_pods, True))
+    return out
+
+
+def check_claims(
+    uses: Sequence[ClaimUse], claims: Mapping[str, Mapping[str, Any] | None], namespace: str
+) -> None:
+    """Raise when a claim is missing, or cannot be mounted by every pod that may mount it.
+
+    `claims` maps a claim name to the PersistentVolumeClaim read from the API (None: not found).
+    Pods of one job may land on different nodes, so a claim mounted by more than one pod needs
+    ReadWriteMany (ReadOnlyMany is enough for a read-only mount); ReadWriteOnce would leave all
+    but the first node's pods stuck in ContainerCreating with a Multi-Attach error.
+    """
+    for use in uses:
+        pvc = claims.get(use.claim)
+        if pvc is None:
+            raise errors.ClaimNotFoundError(
+                use.field,
+                f"PersistentVolumeClaim {use.claim!r} not found in namespace {namespace!r}: create it "
+                "or fix the name (the pods would stay Pending until it exists)",
+            )
+        if use.pods <= 1:
+            continue
+        modes = set((pvc.get("spec") or {}).get("accessModes") or [])
+        enough = {"ReadWriteMany", "ReadOnlyMany"} if use.read_only else {"ReadWriteMany"}
+        if not modes & enough:
+            need = "ReadWriteMany or ReadOnlyMany" if use.read_only else "ReadWriteMany"
+            raise errors.ClaimAccessModeError(
+                use.field,
+                f"PersistentVolumeClaim {use.claim!r} has access modes {sorted(modes) or 'none'}, but "
+                f"{use.pods} pods that may land on different nodes mount it: use a claim with {need} "
+                "(for example on a shared filesystem storage class)",
+            )

@@ -1,17 +1,22 @@
-"""The RLJob's status, computed from what the handlers observed: phase, conditions, plan, progress.
+"""The RLJob's status, computed from what one reconcile observed: phase, conditions, plan, progress.
 
-Role: pure functions the shell calls after it has reconciled: `compute_status(old, situation, ...)`
-returns the new `api.RLJobStatus`; the shell writes it through the status subresource only when
+Role: pure functions the shell calls once, at the tail of every reconcile:
+`compute_status(old, observed, ...)` returns the new `api.RLJobStatus` from `Observed` (what the
+reconcile steps saw and did); the shell writes it through the status subresource only when
 `status_patch` says it changed. Conditions follow the API conventions (one per type,
-`lastTransitionTime` kept while the status stays the same, `observedGeneration`). `REASONS` is the
-one table from exception classes to condition reasons. No clock: `now` is an argument.
+`lastTransitionTime` kept while the status stays the same, `observedGeneration`). Exceptions map
+to reasons through the one hierarchy in `rljob_operator.errors` (`reason_for`): an `RLJobError`
+carries its own reason and `retryable`; anything else is `InternalError` quoting the exception.
+No clock: `now` is an argument.
 
 Condition types:
 - `Planned`: the spec parsed and a plan exists (False: InvalidSpec, ModelConfigUnreadable, ...).
-- `Ready`: every desired pod of the current attempt is Running.
+- `Ready`: every desired pod of the current attempt is Running (False: the pod-level cause:
+  Unschedulable with the scheduler's message, ImagePullBackOff, CreateContainerConfigError, ...).
 - `Suspended`: spec.suspend removed the pods.
-- `Restarting`: waiting out the backoff after a pod failure (lastTransitionTime = the failure).
-- `Complete` / `Failed`: the run ended.
+- `Restarting`: a new attempt replaces the pods (after a failure, with backoff; after a
+  disruption, at once); lastTransitionTime = when it began.
+- `Complete` / `Failed`: the run ended (a spec error fails the job until a new generation fixes it).
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ import pydantic
 
 from rljob_operator import api, errors, names
 from rljob_operator.builders.common import JobLayout
-from rljob_operator.estimator.errors import EstimatorError
-from rljob_operator.reconcile import PodObservation
+from rljob_operator.reconcile import PodObservation, RestartDecision
 from rljob_trainer.telemetry import SyncReport
 
 PLANNED = "Planned"
@@ -36,37 +40,24 @@ RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
 CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED)
-
-# The one table: exception class -> condition reason (most specific class wins, by MRO).
-REASONS: dict[type[BaseException], str] = {
-    pydantic.ValidationError: "InvalidSpec",
-    errors.InvalidSpecError: "InvalidSpec",
-    errors.ModelConfigUnreadableError: "ModelConfigUnreadable",
-    errors.ModelDoesNotFitError: "ModelDoesNotFit",
-    errors.InsufficientCapacityError: "InsufficientAccelerators",
-    EstimatorError: "EstimateFailed",  # refined by EstimatorError.reason (ModelDoesNotFit, ...)
-    Exception: "ReconcileError",
-}
-# Errors that waiting may fix leave the job Pending; the rest fail it.
-_RETRYABLE_ESTIMATOR_REASONS: frozenset[str] = frozenset()
+RESTART_AFTER_DISRUPTION = "Disrupted"
+RESTART_AFTER_FAILURE = "PodFailed"
+FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
 
 
 def reason_for(exc: BaseException) -> str:
-    """The condition reason of `exc` from `REASONS` (EstimatorError carries its own, finer reason)."""
-    if isinstance(exc, EstimatorError):
+    """The condition reason of `exc`: its class's `reason`; pydantic errors are InvalidSpec."""
+    if isinstance(exc, errors.RLJobError):
         return exc.reason
-    for cls in type(exc).__mro__:
-        if cls in REASONS:
-            return REASONS[cls]
-    return "ReconcileError"
+    if isinstance(exc, pydantic.ValidationError):
+        return errors.InvalidSpecError.reason
+    return errors.InternalError.reason
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Whether waiting can fix `exc` (the job stays Pending) or not (the job fails)."""
+    """Whether waiting can fix `exc` (the job stays Pending) or only a new spec can (it fails)."""
     if isinstance(exc, errors.RLJobError):
         return exc.retryable
-    if isinstance(exc, EstimatorError):
-        return exc.reason in _RETRYABLE_ESTIMATOR_REASONS
     return not isinstance(exc, pydantic.ValidationError)
 
 
@@ -77,34 +68,41 @@ def message_for(exc: BaseException) -> str:
         for err in exc.errors()[:5]:
             loc = ".".join(str(p) for p in err["loc"])
             parts.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
-        return "; ".join(parts) + " (fix the RLJob spec and apply it again)"
-    if isinstance(exc, (errors.RLJobError, EstimatorError)):
-        return f"{exc.field}: {exc.message}"
+        return "; ".join(parts) + f" ({FIX_SPEC})"
+    if isinstance(exc, errors.InternalError):
+        return f"{exc.field}: {exc.message} (an operator error; it retries)"
+    if isinstance(exc, errors.RLJobError):
+        suffix = "" if exc.retryable else f" ({FIX_SPEC})"
+        return f"{exc.field}: {exc.message}{suffix}"
     return f"{type(exc).__name__}: {exc}"
 
 
-# ---- what the shell found ------------------------------------------------------------------------
-Kind = Literal["error", "suspended", "succeeded", "failed", "backoff", "progressing", "finished"]
-
-
+# ---- what the reconcile steps observed -----------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Situation:
-    """The outcome of one reconcile, as the shell determined it.
+class Observed:
+    """What one reconcile saw and did, step by step; `compute_status`'s only input besides `old`.
 
-    - error: `error` stopped the reconcile (spec, plan or capacity).
-    - suspended: pods removed on spec.suspend.
-    - succeeded / failed: the run just ended (`failed_pod` says why it failed).
-    - backoff: `failed_pod` failed, restart number `restarts` waits until `restart_at`.
-    - progressing: pods exist or are being created (`waiting`: names still terminating).
-    - finished: the job had already ended; nothing changes but the generation.
+    - error: the exception that stopped the steps (spec, plan, volumes, capacity, or a bug).
+    - finished: the job had already ended; only observedGeneration (and the TTL) matter.
+    - suspended: spec.suspend removed the pods.
+    - decision: the restart decision for the current attempt's pods (`reconcile.decide_restart`).
+    - restart_wait_s: a restart's backoff is still running (seconds left).
+    - pods: the pods of the attempt in force; waiting: names still terminating.
+    - rollout: adaptive targets decided by this reconcile (persisted with the status).
     """
 
-    kind: Kind
+    spec: api.RLJobSpec | None = None
+    plan: api.PlanStatus | None = None
+    layout: JobLayout | None = None
     error: BaseException | None = None
-    failed_pod: PodObservation | None = None
-    restarts: int = 0
+    finished: bool = False
+    suspended: bool = False
+    decision: RestartDecision | None = None
+    restart_wait_s: float | None = None
+    pods: Sequence[PodObservation] = ()
     waiting: tuple[str, ...] = ()
-    backoff_limit_exceeded: bool = False
+    report: SyncReport | None = None
+    rollout: api.RolloutStatus | None = None
 
 
 def _condition(
@@ -181,118 +179,142 @@ def compute_rollout(
     return api.RolloutStatus.model_validate(out.model_dump())  # refresh enginesAwakeTotal
 
 
+def _pod_issue(pods: Sequence[PodObservation]) -> tuple[str, str] | None:
+    """The first pod-level cause that keeps the attempt from running: (reason, message naming the pod)."""
+    for p in sorted(pods, key=lambda p: (p.role != names.ROLE_TRAINER, p.index)):
+        if p.deleting or p.phase != "Pending":
+            continue
+        if p.waiting_reason:
+            return p.waiting_reason, f"pod {p.name}: {p.waiting_message}"
+        if p.unschedulable:
+            return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
+    return None
+
+
+def _checkpoint_note(spec: api.RLJobSpec | None) -> str:
+    if spec is None:
+        return ""
+    claim = spec.checkpoint.volume.claim_name
+    if claim is None:
+        return (
+            "checkpoints are not kept (spec.checkpoint.volume is an emptyDir), so the new attempt "
+            "starts from step 0: set spec.checkpoint.volume.claimName to resume"
+        )
+    return f"the new attempt resumes from the last checkpoint in claim {claim!r}"
+
+
 def compute_status(
     old: api.RLJobStatus,
-    situation: Situation,
+    observed: Observed,
     *,
     generation: int,
     now: datetime,
-    spec: api.RLJobSpec | None = None,
-    plan: api.PlanStatus | None = None,
-    layout: JobLayout | None = None,
-    pods: Sequence[PodObservation] = (),
-    report: SyncReport | None = None,
 ) -> api.RLJobStatus:
-    """The new status for `situation` (a fresh object; `old` is not modified)."""
+    """The new status for what the reconcile `observed` (a fresh object; `old` is not modified)."""
     new = old.model_copy(deep=True)
     new.observed_generation = generation
     conds = list(new.conditions)
-    kind = situation.kind
-    if kind == "finished":
-        new.conditions = conds
+    if observed.finished:
         return new
+    spec, plan, layout = observed.spec, observed.plan, observed.layout
     if plan is not None:
         new.plan = plan
-    new.progress = _progress(spec, report, new.progress)
-    new.rollout = compute_rollout(new.rollout, plan, layout, pods, report)
-    new.restarts = situation.restarts if situation.restarts else (new.restarts or 0)
+    new.progress = _progress(spec, observed.report, new.progress)
+    new.rollout = compute_rollout(
+        observed.rollout or new.rollout, plan, layout, observed.pods, observed.report
+    )
+    new.restarts = new.restarts or 0
+    decision = observed.decision
+    if decision is not None:
+        new.restarts, new.failures, new.disruptions = (
+            decision.attempt,
+            decision.failures,
+            decision.disruptions,
+        )
+        if decision.fingerprint is not None or decision.reason == RESTART_AFTER_FAILURE:
+            new.last_failure = (decision.fingerprint or decision.cause)[:1024]
 
-    if kind == "error":
-        exc = situation.error or RuntimeError("unknown error")
+    def put(type_: str, status: bool, reason: str, message: str, *, force: bool = False) -> None:
+        nonlocal conds
+        conds = _set(
+            conds, _condition(type_, status, reason, message, generation, now), force_transition=force
+        )
+
+    # A job failed by a spec error goes on once a new generation plans.
+    failed = find(conds, FAILED)
+    if observed.error is None and failed is not None and failed.status == "True":
+        put(FAILED, False, "SpecFixed", f"generation {generation} planned")
+        new.completion_time = None
+
+    if observed.error is not None:
+        exc = observed.error
         reason, message = reason_for(exc), message_for(exc)
-        if isinstance(exc, errors.InsufficientCapacityError):
-            conds = _set(
-                conds, _condition(PLANNED, True, "PlanComputed", _plan_message(plan), generation, now)
-            )
-            conds = _set(conds, _condition(READY, False, reason, message, generation, now))
+        if plan is not None and is_retryable(exc):  # planned, but the cluster is not ready for it
+            put(PLANNED, True, "PlanComputed", _plan_message(plan))
         else:
-            conds = _set(conds, _condition(PLANNED, False, reason, message, generation, now))
-            conds = _set(conds, _condition(READY, False, reason, message, generation, now))
+            put(PLANNED, False, reason, message)
+        put(READY, False, reason, message)
         if is_retryable(exc):
             new.phase = "Pending"
         else:
             new.phase = "Failed"
             new.completion_time = new.completion_time or now
-            conds = _set(conds, _condition(FAILED, True, reason, message, generation, now))
+            put(FAILED, True, reason, message)
         new.conditions = conds
         return new
 
-    conds = _set(conds, _condition(PLANNED, True, "PlanComputed", _plan_message(plan), generation, now))
-    suspended = kind == "suspended"
-    conds = _set(
-        conds,
-        _condition(
-            SUSPENDED,
-            suspended,
-            "SuspendedBySpec" if suspended else "NotSuspended",
-            "spec.suspend is true: pods deleted, the job is kept" if suspended else "",
-            generation,
-            now,
-        ),
+    put(PLANNED, True, "PlanComputed", _plan_message(plan))
+    suspended = observed.suspended
+    put(
+        SUSPENDED,
+        suspended,
+        "SuspendedBySpec" if suspended else "NotSuspended",
+        "spec.suspend is true: pods deleted, the job is kept" if suspended else "",
     )
-    running, desired = _pods_summary(pods, layout)
-    if kind == "suspended":
+    running, desired = _pods_summary(observed.pods, layout)
+    action = decision.action if decision is not None else "run"
+    if suspended:
         new.phase = "Suspended"
-        conds = _set(conds, _condition(READY, False, "Suspended", "the job is suspended", generation, now))
-    elif kind == "succeeded":
+        put(READY, False, "Suspended", "the job is suspended")
+    elif action == "succeeded":
         new.phase = "Succeeded"
         new.completion_time = new.completion_time or now
-        conds = _set(conds, _condition(READY, False, "Finished", "the run succeeded", generation, now))
-        conds = _set(
-            conds, _condition(COMPLETE, True, "TrainingSucceeded", "trainer pod 0 exited 0", generation, now)
-        )
-        conds = _set(conds, _condition(RESTARTING, False, "Finished", "", generation, now))
-    elif kind == "failed":
-        pod = situation.failed_pod
-        reason = "BackoffLimitExceeded" if situation.backoff_limit_exceeded else "PodFailed"
-        message = _failure_message(pod, situation, spec)
+        put(READY, False, "Finished", "the run succeeded")
+        put(COMPLETE, True, "TrainingSucceeded", "trainer pod 0 exited 0")
+        put(RESTARTING, False, "Finished", "")
+    elif action == "fail" and decision is not None:
+        message = _failure_message(decision, spec)
         new.phase = "Failed"
         new.completion_time = new.completion_time or now
-        conds = _set(conds, _condition(READY, False, reason, message, generation, now))
-        conds = _set(conds, _condition(FAILED, True, reason, message, generation, now))
-        conds = _set(conds, _condition(RESTARTING, False, "Finished", "", generation, now))
-    elif kind == "backoff":
-        message = _failure_message(situation.failed_pod, situation, spec)
+        put(READY, False, decision.reason, message)
+        put(FAILED, True, decision.reason, message)
+        put(RESTARTING, False, "Finished", "")
+    elif action == "restart" and decision is not None:
         new.phase = "Pending"
-        conds = _set(conds, _condition(READY, False, "BackoffAfterPodFailure", message, generation, now))
+        message = _restart_message(decision, spec)
+        put(READY, False, decision.reason, message)
+        put(RESTARTING, True, decision.reason, message, force=True)
+    elif observed.restart_wait_s is not None:
         restarting = find(conds, RESTARTING)
-        fresh = (
-            restarting is None
-            or restarting.status != "True"
-            or restarting.reason != f"Restart{situation.restarts}"
-        )
-        conds = _set(
-            conds,
-            _condition(RESTARTING, True, f"Restart{situation.restarts}", message, generation, now),
-            force_transition=fresh,
-        )
-    else:  # progressing
+        new.phase = "Pending"
+        wait = f"{observed.restart_wait_s:.0f}s of backoff left"
+        put(READY, False, "BackoffAfterPodFailure", f"{restarting.message if restarting else ''} ({wait})")
+    else:
         new.start_time = new.start_time or now
-        all_running = desired > 0 and running >= desired and not situation.waiting
+        all_running = desired > 0 and running >= desired and not observed.waiting
         new.phase = "Running" if all_running else "Pending"
-        conds = _set(
-            conds,
-            _condition(
+        issue = None if all_running else _pod_issue(observed.pods)
+        if issue is not None:
+            put(READY, False, issue[0], f"{issue[1]} ({running}/{desired} pods running)")
+        else:
+            put(
                 READY,
                 all_running,
                 "AllPodsRunning" if all_running else "PodsPending",
                 f"{running}/{desired} pods running",
-                generation,
-                now,
-            ),
-        )
-        if find(conds, RESTARTING) is not None:
-            conds = _set(conds, _condition(RESTARTING, False, "PodsRecreated", "", generation, now))
+            )
+        if find(conds, RESTARTING) is not None and all_running:
+            put(RESTARTING, False, "PodsRecreated", "")
     new.conditions = conds
     return new
 
@@ -306,34 +328,48 @@ def _plan_message(plan: api.PlanStatus | None) -> str:
     )
 
 
-def _failure_message(pod: PodObservation | None, situation: Situation, spec: api.RLJobSpec | None) -> str:
-    what = "a pod failed"
-    if pod is not None:
-        code = f" with exit code {pod.exit_code}" if pod.exit_code is not None else ""
-        what = f"pod {pod.name} failed{code}" + (f" ({pod.message})" if pod.message else "")
-    if situation.kind == "failed":
-        if spec is not None and spec.restart_policy.policy == "Never":
-            return (
-                f"{what}; spec.restartPolicy.policy is Never: set it to OnFailure to restart from checkpoints"
-            )
-        limit = spec.restart_policy.backoff_limit if spec else "?"
+def _failure_message(decision: RestartDecision, spec: api.RLJobSpec | None) -> str:
+    what = decision.cause or "a pod failed"
+    if decision.reason == "RestartPolicyNever":
+        return f"{what}; spec.restartPolicy.policy is Never: set it to OnFailure to restart"
+    if decision.reason == "RepeatedFailure":
         return (
-            f"{what}; {situation.restarts} restarts reached spec.restartPolicy.backoffLimit ({limit}): "
-            "fix the cause, then raise backoffLimit or recreate the job"
+            f"{what}; the same cause ended the previous attempt too, so restarting will not help: "
+            "fix it, then recreate the job"
         )
-    return f"{what}; restart {situation.restarts} resumes from the last checkpoint after the backoff"
+    limit = spec.restart_policy.backoff_limit if spec else "?"
+    return (
+        f"{what}; {decision.failures - 1} failures already reached "
+        f"spec.restartPolicy.backoffLimit ({limit}): "
+        "fix the cause, then raise backoffLimit or recreate the job"
+    )
+
+
+def _restart_message(decision: RestartDecision, spec: api.RLJobSpec | None) -> str:
+    if decision.disruption:
+        head = (
+            f"{decision.cause}; restarting every pod at once (attempt {decision.attempt}); "
+            "a disruption is not counted against backoffLimit"
+        )
+    else:
+        head = (
+            f"{decision.cause}; restart {decision.attempt} after {decision.delay_s:.0f}s of backoff "
+            f"(failure {decision.failures})"
+        )
+    note = _checkpoint_note(spec)
+    return f"{head}; {note}" if note else head
 
 
 def find(conditions: Sequence[api.Condition], type_: str) -> api.Condition | None:
     return api.find_condition(conditions, type_)
 
 
-def restart_due_at(status: api.RLJobStatus) -> datetime | None:
-    """When the pending restart's backoff started (the Restarting condition's transition), or None."""
+def pending_restart(status: api.RLJobStatus) -> tuple[datetime, bool] | None:
+    """A restart whose pods are not created yet: (when it began, whether it follows a disruption)."""
     cond = find(status.conditions, RESTARTING)
-    if cond is None or cond.status != "True":
+    if cond is None or cond.status != "True" or cond.last_transition_time is None:
         return None
-    return cond.last_transition_time
+    return cond.last_transition_time, cond.reason == RESTART_AFTER_DISRUPTION
 
 
 def status_patch(old: Mapping[str, Any] | None, new: api.RLJobStatus) -> dict[str, Any] | None:
@@ -364,7 +400,7 @@ def event_type(cond: api.Condition) -> Literal["Normal", "Warning"]:
     bad = (cond.type in (FAILED, RESTARTING) and cond.status == "True") or (
         cond.type in (PLANNED, READY)
         and cond.status == "False"
-        and cond.reason not in ("PodsPending", "Suspended", "Finished")
+        and cond.reason not in ("PodsPending", "Suspended", "Finished", "SpecFixed")
     )
     return "Warning" if bad else "Normal"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -68,18 +69,142 @@ def test_observe_node() -> None:
     assert not reconcile.observe_node({**node, "spec": {"unschedulable": True}}).schedulable
 
 
-def test_assess_pods() -> None:
-    assert reconcile.assess_pods([obs("demo-trainer-0", "Succeeded")], 0).succeeded
-    assert not reconcile.assess_pods([obs("demo-trainer-1", "Succeeded")], 0).succeeded
-    failed = reconcile.assess_pods([obs("demo-rollout-1", "Failed"), obs("demo-trainer-1", "Failed")], 0)
-    assert failed.failed_pod is not None and failed.failed_pod.name == "demo-trainer-1"
-    assert reconcile.assess_pods([obs("demo-trainer-0", "Failed", attempt=0)], 1).failed_pod is None
+RP = api.RestartPolicySpec(backoff_limit=3, initial_backoff_seconds=10, max_backoff_seconds=35)
 
 
-def test_backoff_doubles_and_caps() -> None:
-    rp = api.RestartPolicySpec(initial_backoff_seconds=10, max_backoff_seconds=35)
-    assert [reconcile.backoff_s(n, rp) for n in range(5)] == [0.0, 10.0, 20.0, 35.0, 35.0]
-    assert reconcile.backoff_s(10_000, rp) == 35.0
+def decide(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
+    args: dict[str, object] = {
+        "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None, "policy": RP,
+        "trainer_pods": 2, "node_names": frozenset({"n1"}), **kw,
+    }  # fmt: skip
+    return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
+
+
+def test_decide_restart_success_failure_and_older_attempts() -> None:
+    assert decide([obs("demo-trainer-0", "Succeeded")]).action == "succeeded"
+    assert decide([obs("demo-trainer-1", "Succeeded")]).action == "run"
+    failed = decide([obs("demo-rollout-1", "Failed"), obs("demo-trainer-1", "Failed")])
+    assert failed.action == "restart" and failed.pod is not None and failed.pod.name == "demo-trainer-1"
+    assert (failed.attempt, failed.failures, failed.disruptions, failed.delay_s) == (1, 1, 0, 10.0)
+    assert decide([obs("demo-trainer-0", "Failed", attempt=0)], attempt=1).action == "run"
+    limit = decide([obs("demo-trainer-0", "Failed")], failures=3)
+    assert limit.action == "fail" and limit.reason == "BackoffLimitExceeded"
+
+
+def test_the_same_termination_message_twice_ends_the_job() -> None:
+    bad = dataclasses.replace(
+        obs("demo-trainer-0", "Failed"), termination_message="dataset not found", message="dataset not found"
+    )
+    first = decide([bad])
+    assert first.action == "restart" and first.fingerprint == "dataset not found"
+    again = decide(
+        [dataclasses.replace(bad, attempt=1)], attempt=1, failures=1, last_failure="dataset not found"
+    )
+    assert again.action == "fail" and again.reason == "RepeatedFailure" and "dataset not found" in again.cause
+    # Without a termination message a failure is not known to be deterministic.
+    plain = decide([obs("demo-trainer-0", "Failed", attempt=1)], attempt=1, failures=1, last_failure="Error")
+    assert plain.action == "restart"
+
+
+def test_disruptions_restart_the_gang_without_counting() -> None:
+    evicted = dataclasses.replace(obs("demo-trainer-1", "Running"), disruption="EvictionByEvictionAPI")
+    d = decide([obs("demo-trainer-0", "Running"), evicted], failures=2)
+    assert d.action == "restart" and d.disruption and (d.attempt, d.failures, d.disruptions) == (1, 2, 1)
+    assert d.delay_s == 0.0
+    # a pod on a deleted node is lost even before the pod GC deletes it
+    gone = dataclasses.replace(obs("demo-trainer-1", "Running"), node_name="n2")
+    assert decide([obs("demo-trainer-0", "Running"), gone]).disruption
+    # a trainer pod that vanished while trainer 0 runs: never recreated alone into its Ray cluster
+    lost = decide([obs("demo-trainer-0", "Running")])
+    assert lost.action == "restart" and lost.disruption and "trainer pod 1" in lost.cause
+    # ... but a gang being created (nothing running yet) is not a loss
+    assert decide([obs("demo-trainer-0", "Pending")]).action == "run"
+    # a disruption outranks the failures it causes (the Ray workers die with their head)
+    both = decide(
+        [
+            dataclasses.replace(obs("demo-trainer-0", "Failed"), disruption="Evicted"),
+            obs("demo-trainer-1", "Failed"),
+        ]
+    )
+    assert both.disruption and both.failures == 0
+
+
+def test_observe_pod_reads_pod_level_causes() -> None:
+    base = {
+        "metadata": {
+            "name": "demo-trainer-0",
+            "labels": {names.LABEL_JOB: "demo", names.LABEL_ROLE: "trainer"},
+        }
+    }
+    pending = {
+        **base,
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}
+            ],
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "state": {
+                        "waiting": {
+                            "reason": "CreateContainerConfigError",
+                            "message": 'secret "hf" not found',
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    o = reconcile.observe_pod(pending)
+    assert o is not None and o.unschedulable == "0/3 nodes"
+    assert o.waiting_reason == "CreateContainerConfigError" and 'secret "hf"' in o.waiting_message
+    evicted = {
+        **base,
+        "status": {
+            "phase": "Running",
+            "conditions": [
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting",
+                }
+            ],
+        },
+    }
+    e = reconcile.observe_pod(evicted)
+    assert e is not None and e.disruption.startswith("EvictionByEvictionAPI")
+    done = {
+        **base,
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "state": {
+                        "terminated": {"exitCode": 1, "reason": "Error", "message": "dataset not found\n"}
+                    },
+                }
+            ],
+        },
+    }
+    d = reconcile.observe_pod(done)
+    assert d is not None and d.termination_message == "dataset not found" and d.message == "dataset not found"
+
+
+def test_check_claims_names_the_claim_and_the_fix() -> None:
+    uses = [reconcile.ClaimUse("spec.checkpoint.volume.claimName", "ckpt", 2, False)]
+    with pytest.raises(errors.ClaimNotFoundError, match="'ckpt' not found"):
+        reconcile.check_claims(uses, {"ckpt": None}, "ns")
+    rwo = {"spec": {"accessModes": ["ReadWriteOnce"]}}
+    with pytest.raises(errors.ClaimAccessModeError, match="ReadWriteMany"):
+        reconcile.check_claims(uses, {"ckpt": rwo}, "ns")
+    reconcile.check_claims(uses, {"ckpt": {"spec": {"accessModes": ["ReadWriteMany"]}}}, "ns")
+    one = [dataclasses.replace(uses[0], pods=1)]
+    reconcile.check_claims(one, {"ckpt": rwo}, "ns")  # one pod: any mode mounts
+    model = [reconcile.ClaimUse("spec.model.source.pvc.claimName", "m", 3, True)]
+    reconcile.check_claims(model, {"m": {"spec": {"accessModes": ["ReadOnlyMany"]}}}, "ns")
 
 
 def test_diff_creates_missing_in_index_order() -> None:

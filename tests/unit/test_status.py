@@ -3,6 +3,7 @@ transition times, change detection and the Event rate limit."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta, timezone
 
 import pydantic
@@ -12,7 +13,6 @@ from hypothesis import strategies as st
 from test_builders import make_spec, static_plan
 
 from rljob_operator import api, builders, errors, reconcile, status
-from rljob_operator.estimator.errors import EstimatorError
 from rljob_trainer.telemetry import SyncReport
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -35,10 +35,11 @@ ALL_RUNNING = [
 
 
 def compute(
-    situation: status.Situation, old: api.RLJobStatus | None = None, now: datetime = T0, **kw: object
+    old: api.RLJobStatus | None = None, now: datetime = T0, generation: int = 3, **kw: object
 ) -> api.RLJobStatus:
     args = {"spec": SPEC, "plan": PLAN, "layout": LAYOUT, **kw}
-    return status.compute_status(old or api.RLJobStatus(), situation, generation=3, now=now, **args)  # type: ignore[arg-type]
+    observed = status.Observed(**args)  # type: ignore[arg-type]
+    return status.compute_status(old or api.RLJobStatus(), observed, generation=generation, now=now)
 
 
 def cond(st_: api.RLJobStatus, type_: str) -> api.Condition:
@@ -47,16 +48,24 @@ def cond(st_: api.RLJobStatus, type_: str) -> api.Condition:
     return c
 
 
+def decision(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
+    args: dict[str, object] = {
+        "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None,
+        "policy": SPEC.restart_policy, "trainer_pods": 2, **kw,
+    }  # fmt: skip
+    return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
+
+
 def test_progressing_pending_then_running_keeps_transition_times() -> None:
-    pending = compute(status.Situation("progressing"), pods=ALL_RUNNING[:2])
+    pending = compute(pods=ALL_RUNNING[:2])
     assert pending.phase == "Pending" and pending.observed_generation == 3 and pending.start_time == T0
     assert cond(pending, "Ready").reason == "PodsPending" and cond(pending, "Planned").status == "True"
-    running = compute(status.Situation("progressing"), old=pending, now=T1, pods=ALL_RUNNING)
+    running = compute(old=pending, now=T1, pods=ALL_RUNNING)
     assert running.phase == "Running" and cond(running, "Ready").status == "True"
     assert cond(running, "Ready").last_transition_time == T1
     assert cond(running, "Planned").last_transition_time == T0  # unchanged status keeps its time
     assert running.start_time == T0
-    waiting = compute(status.Situation("progressing", waiting=("demo-trainer-0",)), pods=ALL_RUNNING)
+    waiting = compute(waiting=("demo-trainer-0",), pods=ALL_RUNNING)
     assert waiting.phase == "Pending"
     assert running.rollout is not None and running.rollout.dedicated_engines == 2
     assert running.rollout.desired_dedicated_engines == 2 and running.rollout.engines_awake_total == "2/2"
@@ -71,20 +80,41 @@ def test_errors_map_to_reasons_and_phases() -> None:
         ),
         (errors.InvalidSpecError("spec.grpo", "bad"), "InvalidSpec", "Failed"),
         (errors.ModelDoesNotFitError("spec.resources", "too big"), "ModelDoesNotFit", "Failed"),
-        (EstimatorError("spec.model", "no fit", "ModelDoesNotFit"), "ModelDoesNotFit", "Failed"),
-        (RuntimeError("boom"), "ReconcileError", "Pending"),
+        (errors.KVCacheTooSmallError("spec.lengths", "no room"), "KVCacheTooSmall", "Failed"),
+        (
+            errors.ClaimNotFoundError("spec.checkpoint.volume.claimName", "create it"),
+            "ClaimNotFound",
+            "Pending",
+        ),
+        (errors.InternalError.wrap("reconcile step plan", KeyError("x")), "InternalError", "Pending"),
+        (RuntimeError("boom"), "InternalError", "Pending"),
     ]
     for exc, reason, phase in cases:
-        st_ = compute(status.Situation("error", error=exc), plan=None, layout=None)
+        st_ = compute(error=exc, plan=None, layout=None)
         assert st_.phase == phase, exc
         assert cond(st_, "Planned").reason == reason and cond(st_, "Planned").status == "False"
         assert (status.find(st_.conditions, "Failed") is not None) == (phase == "Failed")
         assert status.reason_for(exc) == reason
 
 
+def test_internal_errors_quote_the_exception_and_are_never_relabelled() -> None:
+    exc = errors.InternalError.wrap("reconcile step plan", KeyError("num_layers"))
+    st_ = compute(error=exc, plan=None, layout=None)
+    message = cond(st_, "Ready").message
+    assert "KeyError" in message and "num_layers" in message and "ModelDoesNotFit" not in message
+
+
+def test_spec_errors_say_a_new_generation_fixes_them_and_it_does() -> None:
+    bad = compute(error=errors.InvalidSpecError("spec.grpo", "bad"), plan=None, layout=None, generation=1)
+    assert bad.phase == "Failed" and "apply it again" in cond(bad, "Failed").message
+    fixed = compute(old=bad, generation=2, pods=ALL_RUNNING)
+    assert fixed.phase == "Running" and cond(fixed, "Failed").status == "False"
+    assert cond(fixed, "Failed").reason == "SpecFixed" and fixed.completion_time is None
+
+
 def test_insufficient_capacity_is_planned_but_not_ready() -> None:
     exc = errors.InsufficientCapacityError("spec.trainerPool", "add nodes")
-    st_ = compute(status.Situation("error", error=exc))
+    st_ = compute(error=exc)
     assert st_.phase == "Pending"
     assert cond(st_, "Planned").status == "True"
     assert cond(st_, "Ready").reason == "InsufficientAccelerators"
@@ -95,55 +125,86 @@ def test_validation_error_message_names_fields() -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         api.RLJobSpec.model_validate({"model": {}})
     message = status.message_for(info.value)
-    assert message.startswith("spec.") and "fix the RLJob spec" in message
+    assert message.startswith("spec.") and "fix the spec" in message
     assert status.reason_for(info.value) == "InvalidSpec" and not status.is_retryable(info.value)
     assert status.message_for(KeyError("x")) == "KeyError: 'x'"
 
 
 def test_suspend_succeed_fail() -> None:
-    sus = compute(status.Situation("suspended"))
+    sus = compute(suspended=True)
     assert sus.phase == "Suspended" and cond(sus, "Suspended").status == "True"
-    resumed = compute(status.Situation("progressing"), old=sus, now=T1, pods=ALL_RUNNING)
+    resumed = compute(old=sus, now=T1, pods=ALL_RUNNING)
     assert (
         cond(resumed, "Suspended").status == "False" and cond(resumed, "Suspended").last_transition_time == T1
     )
-    ok = compute(status.Situation("succeeded"))
+    ok = compute(decision=decision([pod("demo-trainer-0", "Succeeded")]))
     assert ok.phase == "Succeeded" and cond(ok, "Complete").status == "True" and ok.completion_time == T0
     failed_pod = reconcile.PodObservation("demo-trainer-1", "trainer", 1, "Failed", 0, "", exit_code=2)
-    bad = compute(status.Situation("failed", failed_pod=failed_pod, restarts=3, backoff_limit_exceeded=True))
+    limit = SPEC.restart_policy.backoff_limit
+    bad = compute(decision=decision([failed_pod], failures=limit))
     assert bad.phase == "Failed" and cond(bad, "Failed").reason == "BackoffLimitExceeded"
     assert "exit code 2" in cond(bad, "Failed").message and "backoffLimit" in cond(bad, "Failed").message
-    never = status.compute_status(
-        api.RLJobStatus(),
-        status.Situation("failed", failed_pod=failed_pod),
-        generation=1,
-        now=T0,
-        spec=make_spec(restartPolicy={"policy": "Never"}),
+    never_spec = make_spec(restartPolicy={"policy": "Never"})
+    never = compute(spec=never_spec, decision=decision([failed_pod], policy=never_spec.restart_policy))
+    assert (
+        cond(never, "Failed").reason == "RestartPolicyNever" and "OnFailure" in cond(never, "Failed").message
     )
-    assert cond(never, "Failed").reason == "PodFailed" and "OnFailure" in cond(never, "Failed").message
 
 
 def test_finished_keeps_everything_but_generation() -> None:
-    done = compute(status.Situation("succeeded"))
-    again = status.compute_status(done, status.Situation("finished"), generation=9, now=T1)
+    done = compute(decision=decision([pod("demo-trainer-0", "Succeeded")]))
+    again = status.compute_status(done, status.Observed(finished=True), generation=9, now=T1)
     assert (
         again.phase == "Succeeded" and again.observed_generation == 9 and again.conditions == done.conditions
     )
 
 
-def test_backoff_transition_time_marks_each_failure() -> None:
-    failed_pod = reconcile.PodObservation("demo-trainer-0", "trainer", 0, "Failed", 0, "")
-    first = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=1))
-    assert first.phase == "Pending" and first.restarts == 1
-    assert status.restart_due_at(first) == T0
-    same = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=1), old=first, now=T1)
-    assert status.restart_due_at(same) == T0  # the same restart keeps its start
-    second = compute(status.Situation("backoff", failed_pod=failed_pod, restarts=2), old=same, now=T1)
-    assert status.restart_due_at(second) == T1  # a new failure restarts the clock
-    recreated = compute(status.Situation("progressing", restarts=2), old=second, now=T1, pods=ALL_RUNNING)
-    assert (
-        status.restart_due_at(recreated) is None and cond(recreated, "Restarting").reason == "PodsRecreated"
+def test_restart_transition_time_marks_each_failure_and_the_message_tells_the_checkpoint_truth() -> None:
+    failed_pod = reconcile.PodObservation("demo-trainer-0", "trainer", 0, "Failed", 0, "", exit_code=1)
+    first = compute(decision=decision([failed_pod]))
+    assert first.phase == "Pending" and first.restarts == 1 and first.failures == 1
+    assert status.pending_restart(first) == (T0, False)
+    message = cond(first, "Restarting").message
+    assert "checkpoints are not kept" in message and "resumes" not in message  # emptyDir checkpoints
+    waiting = compute(old=first, now=T1, restart_wait_s=5.0)
+    assert status.pending_restart(waiting) == (T0, False)  # the same restart keeps its start
+    failed_again = dataclasses.replace(failed_pod, attempt=1)
+    second = compute(old=waiting, now=T1, decision=decision([failed_again], attempt=1, failures=1))
+    assert status.pending_restart(second) == (T1, False) and second.failures == 2
+    recreated = compute(old=second, now=T1, pods=ALL_RUNNING)
+    assert status.pending_restart(recreated) is None
+    assert cond(recreated, "Restarting").reason == "PodsRecreated"
+    kept = make_spec(checkpoint={"path": "/ckpt", "volume": {"claimName": "ckpts"}})
+    resumes = compute(spec=kept, decision=decision([failed_pod]))
+    assert "resumes from the last checkpoint in claim 'ckpts'" in cond(resumes, "Restarting").message
+
+
+def test_a_disruption_restarts_without_counting_a_failure() -> None:
+    evicted = reconcile.PodObservation(
+        "demo-trainer-1", "trainer", 1, "Running", 0, "", disruption="EvictionByEvictionAPI: Eviction API"
     )
+    st_ = compute(decision=decision([pod("demo-trainer-0"), evicted]))
+    assert st_.restarts == 1 and not st_.failures and st_.disruptions == 1
+    assert cond(st_, "Restarting").reason == "Disrupted" and "not counted" in cond(st_, "Restarting").message
+    assert status.pending_restart(st_) == (T0, True)
+
+
+def test_pod_level_causes_name_the_pod() -> None:
+    unsched = dataclasses.replace(
+        pod("demo-trainer-0", "Pending"),
+        unschedulable='0/5 nodes are available: persistentvolumeclaim "ckpt" not found.',
+    )
+    st_ = compute(pods=[unsched])
+    ready = cond(st_, "Ready")
+    assert ready.reason == "Unschedulable" and "demo-trainer-0" in ready.message and '"ckpt"' in ready.message
+    assert status.event_type(ready) == "Warning"
+    pulling = dataclasses.replace(
+        pod("demo-trainer-1", "Pending", index=1),
+        waiting_reason="ImagePullBackOff",
+        waiting_message='container trainer: Back-off pulling image "x"',
+    )
+    st_ = compute(pods=[pod("demo-trainer-0"), pulling])
+    assert cond(st_, "Ready").reason == "ImagePullBackOff" and "demo-trainer-1" in cond(st_, "Ready").message
 
 
 def test_progress_from_latest_report() -> None:
@@ -152,7 +213,7 @@ def test_progress_from_latest_report() -> None:
         inflightRequestSeconds=20, engineSeconds=10, snapshotInflight=0, sharedEnginesAwake=1,
         dedicatedEngines=2, meanReward=0.5, loss=0.1, tokensPerS=100, responseLenMean=50,
     )  # fmt: skip
-    st_ = compute(status.Situation("progressing"), pods=ALL_RUNNING, report=report)
+    st_ = compute(pods=ALL_RUNNING, report=report)
     assert (
         st_.progress is not None and st_.progress.step == 7 and st_.progress.max_steps == SPEC.grpo.max_steps
     )
@@ -160,16 +221,15 @@ def test_progress_from_latest_report() -> None:
     assert st_.rollout is not None and st_.rollout.shared_engines_awake == 0  # plan has no shared engine
 
     noisy = report.model_copy(update={"loss": -6.984919309616089e-09, "tokens_per_s": 37818.83554199268})
-    shown = compute(status.Situation("progressing"), pods=ALL_RUNNING, report=noisy).progress
+    shown = compute(pods=ALL_RUNNING, report=noisy).progress
     assert shown is not None and shown.loss == -6.985e-09 and shown.tokens_per_second == 37818.8
 
 
 def test_status_patch_only_when_changed() -> None:
-    new = compute(status.Situation("progressing"), pods=ALL_RUNNING)
+    new = compute(pods=ALL_RUNNING)
     assert status.status_patch(None, new) is not None
     assert status.status_patch(new.to_k8s(), new) is None
     again = compute(
-        status.Situation("progressing"),
         old=api.RLJobStatus.model_validate(new.to_k8s()),
         now=T1,
         pods=ALL_RUNNING,
@@ -180,12 +240,12 @@ def test_status_patch_only_when_changed() -> None:
 
 
 def test_transitions_and_event_types() -> None:
-    a = compute(status.Situation("progressing"), pods=ALL_RUNNING[:1])
-    b = compute(status.Situation("progressing"), old=a, now=T1, pods=ALL_RUNNING)
+    a = compute(pods=ALL_RUNNING[:1])
+    b = compute(old=a, now=T1, pods=ALL_RUNNING)
     changed = status.transitions(a.conditions, b.conditions)
     assert [c.type for c in changed] == ["Ready"]
     assert status.event_type(changed[0]) == "Normal"
-    err = compute(status.Situation("error", error=errors.InvalidSpecError("spec", "x")))
+    err = compute(error=errors.InvalidSpecError("spec", "x"))
     assert status.event_type(cond(err, "Failed")) == "Warning"
     assert status.event_type(cond(err, "Planned")) == "Warning"
 

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from rljob_trainer import config as config_mod
+from rljob_trainer import termination
 
 log = logging.getLogger("rljob_trainer")
 
@@ -123,5 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run() -> int:
+    """`main()`, with a fatal error's cause written to the termination-message file first."""
+    try:
+        return main()
+    except Exception as exc:
+        termination.record_fatal(exc)
+        raise
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -7,8 +7,8 @@ The operator calls :func:`plan_resources` in every reconcile to size trainer and
 :mod:`.devices` (accelerator catalog), :mod:`.report` (table / JSON), :mod:`.presets`.
 """
 
+from rljob_operator.errors import EstimatorError
 from rljob_operator.estimator.devices import DEFAULT_CATALOG, DeviceSpec, get_device, merge_catalog
-from rljob_operator.estimator.errors import EstimatorError
 from rljob_operator.estimator.geometry import ModelGeometry
 from rljob_operator.estimator.planner import PlanRequest, ResourcePlan, plan_resources
 from rljob_operator.estimator.presets import load_preset, preset_names

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_operator.estimator import errors
+from rljob_operator import errors
 
 GIB = 1 << 30
 _TB = 10**12
@@ -110,10 +110,9 @@ def get_device(name: str, custom: Iterable[DeviceSpec] = ()) -> DeviceSpec:
     folded.update({alias.lower(): key for alias, key in ALIASES.items() if key in catalog})
     key = folded.get(name.lower())
     if key is None:
-        raise errors.EstimatorError(
+        raise errors.UnknownAcceleratorError(
             "accelerator",
             f"unknown accelerator {name!r}; valid: {', '.join(sorted(catalog))} "
             "(or add it under customDevices)",
-            "UnknownAccelerator",
         )
     return catalog[key]

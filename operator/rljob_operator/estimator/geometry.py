@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_operator.estimator import errors
+from rljob_operator import errors
 
 LayerKind = Literal["full_attention", "sliding_attention", "linear_attention", "none"]
 LinearKind = Literal["gated_delta_net", "mamba2"]
@@ -67,7 +67,7 @@ def dtype_bytes(name: str, field: str) -> int:
     """Bytes per element of ``name`` (``torch.bfloat16`` and ``bfloat16`` both work)."""
     key = str(name).removeprefix("torch.").lower()
     if key not in DTYPE_BYTES:
-        raise errors.EstimatorError(
+        raise errors.InvalidModelConfigError(
             field, f"unknown dtype {name!r}; supported: {', '.join(sorted(DTYPE_BYTES))}"
         )
     return DTYPE_BYTES[key]
@@ -383,17 +383,17 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _check_tp(tensor_parallel: int) -> None:
     if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise errors.EstimatorError(
-            "tensor_parallel", f"must be a positive integer, got {tensor_parallel!r}", "InvalidPlanRequest"
+        raise errors.InvalidPlanRequestError(
+            "tensor_parallel",
+            f"must be a positive integer, got {tensor_parallel!r}",
         )
 
 
 def _require_divisible(value: int, tp: int, field: str) -> None:
     if value % tp:
-        raise errors.EstimatorError(
+        raise errors.InvalidPlanRequestError(
             field,
             f"{value} is not divisible by tensor parallel {tp} (vLLM shards it evenly)",
-            "InvalidPlanRequest",
         )
 
 
@@ -408,9 +408,9 @@ def _quantized_bytes(params: int, quant: QuantGeometry | None, elem_bytes: int) 
 def _positive_int(cfg: Mapping[str, Any], key: str, prefix: str, default: int | None = None) -> int:
     value = cfg.get(key, default)
     if value is None:
-        raise errors.EstimatorError(f"{prefix}{key}", "is required for KV-cache sizing but missing")
+        raise errors.InvalidModelConfigError(f"{prefix}{key}", "is required for KV-cache sizing but missing")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise errors.EstimatorError(f"{prefix}{key}", f"must be a positive integer, got {value!r}")
+        raise errors.InvalidModelConfigError(f"{prefix}{key}", f"must be a positive integer, got {value!r}")
     return value
 
 
@@ -424,7 +424,7 @@ def _text_config(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
                 merged[key] = config[key]
         return merged, "text_config."
     if not isinstance(config, Mapping):
-        raise errors.EstimatorError("config", "must be a JSON object (a config.json dict)")
+        raise errors.InvalidModelConfigError("config", "must be a JSON object (a config.json dict)")
     return dict(config), ""
 
 
@@ -435,7 +435,7 @@ def _layer_kinds(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> tuple[
     use_sliding = cfg.get("use_sliding_window", True)
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}layer_types",
                 f"must list one type per layer ({num_layers} = num_hidden_layers), "
                 f"got {len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__}",
@@ -443,7 +443,7 @@ def _layer_kinds(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> tuple[
         kinds: list[LayerKind] = []
         for i, name in enumerate(layer_types):
             if name not in _LAYER_TYPE_KINDS:
-                raise errors.EstimatorError(
+                raise errors.InvalidModelConfigError(
                     f"{prefix}layer_types[{i}]",
                     f"unknown layer type {name!r}; supported: {', '.join(sorted(_LAYER_TYPE_KINDS))}",
                 )
@@ -454,7 +454,7 @@ def _layer_kinds(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> tuple[
         return tuple(kinds)
     if pattern is not None:
         if not isinstance(pattern, str) or len(pattern) != num_layers:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}hybrid_override_pattern", f"must be a string of {num_layers} layer codes"
             )
         codes: dict[str, LayerKind] = {
@@ -465,14 +465,14 @@ def _layer_kinds(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> tuple[
         }
         bad = sorted(set(pattern) - set(codes))
         if bad:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}hybrid_override_pattern", f"unknown layer codes {bad}; supported: M * - E"
             )
         return tuple(codes[c] for c in pattern)
     interval = cfg.get("full_attention_interval")
     if interval is not None and "linear_num_value_heads" in cfg:
         if not isinstance(interval, int) or interval <= 0:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}full_attention_interval", f"must be positive, got {interval!r}"
             )
         return tuple(
@@ -480,7 +480,7 @@ def _layer_kinds(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> tuple[
         )
     if sliding_window and use_sliding is not False:
         if not isinstance(sliding_window, int) or sliding_window <= 0:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}sliding_window", f"must be a positive integer, got {sliding_window!r}"
             )
         model_type = str(cfg.get("model_type", ""))
@@ -539,10 +539,12 @@ def _moe_geometry(cfg: Mapping[str, Any], prefix: str, num_layers: int) -> MoEGe
         return None
     top_k = cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k")
     if not top_k:
-        raise errors.EstimatorError(f"{prefix}num_experts_per_tok", "is required when num_experts is set")
+        raise errors.InvalidModelConfigError(
+            f"{prefix}num_experts_per_tok", "is required when num_experts is set"
+        )
     expert_inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     if not isinstance(expert_inter, int) or expert_inter <= 0:
-        raise errors.EstimatorError(f"{prefix}moe_intermediate_size", "is required for a MoE config")
+        raise errors.InvalidModelConfigError(f"{prefix}moe_intermediate_size", "is required for a MoE config")
     shared = cfg.get("shared_expert_intermediate_size") or 0
     if cfg.get("n_shared_experts"):
         shared = int(cfg["n_shared_experts"]) * expert_inter
@@ -567,7 +569,7 @@ def _quant_geometry(cfg: Mapping[str, Any], prefix: str) -> QuantGeometry | None
         return None
     field = f"{prefix}quantization_config"
     if not isinstance(quant, Mapping):
-        raise errors.EstimatorError(field, "must be an object")
+        raise errors.InvalidModelConfigError(field, "must be an object")
     method = str(quant.get("quant_method", "")).lower()
     group = quant.get("group_size") if isinstance(quant.get("group_size"), int) else None
     group = group if group and group > 0 else None
@@ -586,8 +588,8 @@ def _quant_geometry(cfg: Mapping[str, Any], prefix: str) -> QuantGeometry | None
                 return QuantGeometry(
                     method=method, weight_bits=int(weights["num_bits"]), group_size=weights.get("group_size")
                 )
-        raise errors.EstimatorError(f"{field}.config_groups", "no weights.num_bits found")
-    raise errors.EstimatorError(
+        raise errors.InvalidModelConfigError(f"{field}.config_groups", "no weights.num_bits found")
+    raise errors.InvalidModelConfigError(
         f"{field}.quant_method",
         f"unsupported quantization {method!r}; "
         "supported: fp8, gptq, awq, bitsandbytes, mxfp4, compressed-tensors",
@@ -616,7 +618,7 @@ def _vision_params(config: Mapping[str, Any]) -> int:
 
 def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
     if not isinstance(config, Mapping):
-        raise errors.EstimatorError("config", "must be a JSON object (a config.json dict)")
+        raise errors.InvalidModelConfigError("config", "must be a JSON object (a config.json dict)")
     cfg, prefix = _text_config(config)
     raw_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype")
     raw_dtype = raw_dtype or "bfloat16"
@@ -627,7 +629,7 @@ def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
     heads = _positive_int(cfg, "num_attention_heads", prefix)
     kv_heads = _positive_int(cfg, "num_key_value_heads", prefix, heads)
     if kv_heads > heads:
-        raise errors.EstimatorError(
+        raise errors.InvalidModelConfigError(
             f"{prefix}num_key_value_heads", f"{kv_heads} exceeds num_attention_heads {heads}"
         )
     head_dim_raw = cfg.get("head_dim")
@@ -635,7 +637,7 @@ def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
         head_dim = head_dim_raw
     else:
         if hidden % heads:
-            raise errors.EstimatorError(
+            raise errors.InvalidModelConfigError(
                 f"{prefix}head_dim",
                 f"missing and hidden_size {hidden} is not divisible by num_attention_heads {heads}",
             )
@@ -645,7 +647,7 @@ def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
     kinds = _layer_kinds(cfg, prefix, num_layers)
     linear = _linear_geometry(cfg, prefix, dtype)
     if kinds.count("linear_attention") and linear is None:
-        raise errors.EstimatorError(
+        raise errors.InvalidModelConfigError(
             f"{prefix}layer_types",
             "names linear_attention layers but the config has no linear_num_value_heads or mamba_num_heads",
         )
@@ -667,9 +669,11 @@ def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
     moe = _moe_geometry(cfg, prefix, num_layers)
     inter = cfg.get("intermediate_size") or 0
     if moe is None and not isinstance(inter, int | float):
-        raise errors.EstimatorError(f"{prefix}intermediate_size", f"must be an integer, got {inter!r}")
+        raise errors.InvalidModelConfigError(
+            f"{prefix}intermediate_size", f"must be an integer, got {inter!r}"
+        )
     if moe is None and num_mlp_layers and int(inter) <= 0:
-        raise errors.EstimatorError(f"{prefix}intermediate_size", "is required for a dense model")
+        raise errors.InvalidModelConfigError(f"{prefix}intermediate_size", "is required for a dense model")
     if moe is not None and cfg.get("moe_intermediate_size") is None:
         inter = 0  # Mixtral-style: intermediate_size is the expert width, no dense layers
     hidden_act = str(cfg.get("hidden_act") or cfg.get("mlp_hidden_act") or "silu")

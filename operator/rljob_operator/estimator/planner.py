@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from rljob_operator.estimator import devices, errors, geometry, rollout, throughput, trainer
+from rljob_operator import errors
+from rljob_operator.estimator import devices, geometry, rollout, throughput, trainer
 
 GIB = 1 << 30
 #: Adaptive mode frees dedicated engines while generation without woken engines stays within this
@@ -169,10 +170,9 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
     }
     if request.tensor_parallel is not None:
         if request.tensor_parallel > total:
-            raise errors.EstimatorError(
+            raise errors.InvalidPlanRequestError(
                 "tensor_parallel",
                 f"{request.tensor_parallel} exceeds total_accelerators {total}",
-                "InvalidPlanRequest",
             )
         engine = rollout.size_engine(model, device, request.tensor_parallel, **engine_kwargs)
         reasons.append(f"tensor_parallel={request.tensor_parallel}: from the request")
@@ -235,22 +235,19 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
     if request.trainer_accelerators is not None and request.rollout_accelerators is not None:
         n_trainer, n_rollout = request.trainer_accelerators, request.rollout_accelerators
         if n_trainer + n_rollout > total:
-            raise errors.EstimatorError(
+            raise errors.InvalidPlanRequestError(
                 "rollout_accelerators",
                 f"trainer {n_trainer} + rollout {n_rollout} exceed total_accelerators {total}",
-                "InvalidPlanRequest",
             )
         if n_rollout % tp:
-            raise errors.EstimatorError(
+            raise errors.InvalidPlanRequestError(
                 "rollout_accelerators",
                 f"{n_rollout} is not a multiple of tensor_parallel {tp}",
-                "InvalidPlanRequest",
             )
         if n_trainer < n_min:
-            raise errors.EstimatorError(
+            raise errors.ModelDoesNotFitError(
                 "trainer_accelerators",
                 f"{n_trainer} < the {n_min} the trainer needs ({trainer_reason})",
-                "ModelDoesNotFit",
             )
         dedicated = n_rollout // tp
         reasons.append(f"split from the request: {n_trainer} trainer, {n_rollout} rollout accelerators")
@@ -271,7 +268,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
             if best is None or key < best:
                 best = key
         if best is None:
-            raise errors.EstimatorError("total_accelerators", "no feasible split", "ModelDoesNotFit")
+            raise errors.ModelDoesNotFitError("total_accelerators", "no feasible split")
         n_trainer = best[2]
         dedicated = (total - n_trainer) // tp
         reasons.append(

@@ -11,7 +11,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from rljob_operator.estimator import errors
+from rljob_operator import errors
 
 _PACKAGE = "rljob_operator.estimator"
 
@@ -30,8 +30,9 @@ def load_preset(name: str) -> dict[str, Any]:
     names = preset_names()
     key = name.lower().rsplit("/", 1)[-1]  # Hugging Face ids work too: "Qwen/Qwen3-8B" -> "qwen3-8b"
     if key not in names:
-        raise errors.EstimatorError(
-            "preset", f"unknown preset {name!r}; valid: {', '.join(names)}", "UnknownPreset"
+        raise errors.UnknownPresetError(
+            "preset",
+            f"unknown preset {name!r}; valid: {', '.join(names)}",
         )
     text = resources.files(_PACKAGE).joinpath("presets", f"{key}.json").read_text(encoding="utf-8")
     config: dict[str, Any] = json.loads(text)

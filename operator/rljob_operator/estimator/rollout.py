@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_operator.estimator import devices, errors, geometry
+from rljob_operator import errors
+from rljob_operator.estimator import devices, geometry
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -103,7 +104,7 @@ def compute_kv_cache_layout(
 ) -> KVCacheLayout:
     """The layout vLLM builds for ``model`` on one rank of a ``tensor_parallel`` engine."""
     if model.num_attention_layers == 0:
-        raise errors.EstimatorError(
+        raise errors.InvalidModelConfigError(
             "layer_types", "attention-free models (no attention layers) are not supported by the estimator"
         )
     attn_per_token = model.kv_bytes_per_token_per_layer(tensor_parallel, kv_cache_dtype)
@@ -229,17 +230,15 @@ def size_engine(
 ) -> EngineSizing:
     """Size one engine. Raises ``EstimatorError`` (ModelDoesNotFit / KVCacheTooSmall) when it cannot run."""
     if not model.supports_tensor_parallel(tensor_parallel):
-        raise errors.EstimatorError(
+        raise errors.InvalidPlanRequestError(
             "tensor_parallel",
             f"{tensor_parallel} does not divide num_attention_heads {model.num_attention_heads} "
             "(and linear-attention heads); vLLM needs an even split",
-            "InvalidPlanRequest",
         )
     if sequence_tokens > max_model_len:
-        raise errors.EstimatorError(
+        raise errors.InvalidPlanRequestError(
             "max_model_len",
             f"{max_model_len} is shorter than prompt + completion = {sequence_tokens} tokens",
-            "InvalidPlanRequest",
         )
     tp = tensor_parallel
     layout = compute_kv_cache_layout(
@@ -254,12 +253,11 @@ def size_engine(
     overhead = runtime_overhead_bytes(model, tp, device)
     reasons: list[str] = []
     if weights + overhead >= requested:
-        raise errors.EstimatorError(
+        raise errors.ModelDoesNotFitError(
             "tensor_parallel",
             f"weights need {weights / GIB:.2f} GiB per rank at TP {tp} plus {overhead / GIB:.2f} GiB "
             f"runtime, but {device.name} x {gpu_memory_utilization} gives {requested / GIB:.2f} GiB; "
             "raise tensor parallel",
-            "ModelDoesNotFit",
         )
     # max_num_batched_tokens is one prefill: at most max_model_len and the KV capacity, at least
     # max_num_seqs (one decode token per running sequence). Activation memory depends on it and on
@@ -282,21 +280,19 @@ def size_engine(
             break
         mnbt, seqs = new_mnbt, new_seqs
     if kv_bytes <= 0 or num_blocks == 0 or fit_seqs == 0:
-        raise errors.EstimatorError(
+        raise errors.ModelDoesNotFitError(
             "tensor_parallel",
             f"no room for one sequence at TP {tp}: {requested / GIB:.2f} GiB requested - "
             f"{weights / GIB:.2f} weights - {activation / GIB:.2f} activations - "
             f"{overhead / GIB:.2f} runtime "
             f"leaves {max(0, kv_bytes) / GIB:.2f} GiB",
-            "ModelDoesNotFit",
         )
     per_request_max = per_seq_fn(max_model_len, mnbt)
     if num_blocks < per_request_max:
-        raise errors.EstimatorError(
+        raise errors.KVCacheTooSmallError(
             "max_model_len",
             f"one request of {max_model_len} tokens needs {per_request_max} blocks but only {num_blocks} fit "
             "(vLLM refuses to start); lower max_model_len or raise tensor parallel / gpu_memory_utilization",
-            "KVCacheTooSmall",
         )
     per_seq = per_seq_fn(sequence_tokens, mnbt)
     if max_num_seqs is None:
@@ -318,11 +314,10 @@ def size_engine(
             )
     if max_num_batched_tokens is not None:
         if max_num_batched_tokens < final_seqs:
-            raise errors.EstimatorError(
+            raise errors.InvalidPlanRequestError(
                 "max_num_batched_tokens",
                 f"{max_num_batched_tokens} is below max_num_seqs {final_seqs}: "
                 "each decoding sequence needs a token",
-                "InvalidPlanRequest",
             )
         final_mnbt = max_num_batched_tokens
     else:
@@ -387,7 +382,8 @@ def choose_tensor_parallel(
         try:
             sizing = size_engine(model, device, tp, **engine_kwargs)  # type: ignore[arg-type]
         except errors.EstimatorError as exc:
-            if exc.reason not in ("ModelDoesNotFit", "KVCacheTooSmall") and exc.field != "tensor_parallel":
+            fit = isinstance(exc, (errors.ModelDoesNotFitError, errors.KVCacheTooSmallError))
+            if not fit and exc.field != "tensor_parallel":
                 raise  # bad input (dtype, lengths): no tensor-parallel size can fix it
             failures.append(f"TP {tp}: {exc.message}")
             continue
@@ -406,9 +402,8 @@ def choose_tensor_parallel(
             f"tensor_parallel={best.tensor_parallel}: no TP up to {max_tensor_parallel} holds "
             f"{useful_batch_sequences} sequences; using the smallest that runs ({'; '.join(failures)})"
         )
-    raise errors.EstimatorError(
+    raise errors.ModelDoesNotFitError(
         "tensor_parallel",
         f"the model does not fit one engine of up to {max_tensor_parallel} x {device.name}: "
         + "; ".join(failures),
-        "ModelDoesNotFit",
     )

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_operator.estimator import devices, errors, geometry
+from rljob_operator import errors
+from rljob_operator.estimator import devices, geometry
 
 GIB = 1 << 30
 #: CUDA context + NCCL buckets + allocator fragmentation on a training rank.
@@ -74,7 +75,7 @@ def trainer_memory(
 ) -> TrainerMemory:
     """Per-accelerator memory of an FSDP2 update over ``accelerators`` ranks."""
     if accelerators < 1:
-        raise errors.EstimatorError("trainer_accelerators", "must be at least 1", "InvalidPlanRequest")
+        raise errors.InvalidPlanRequestError("trainer_accelerators", "must be at least 1")
     elem = geometry.dtype_bytes(model.dtype, "dtype")
     params = model.total_params
     if lora:
@@ -123,8 +124,9 @@ def min_trainer_accelerators(
 ) -> tuple[TrainerMemory, str]:
     """Smallest FSDP size up to ``max_accelerators`` whose per-rank memory fits ``device``."""
     if max_accelerators < 1:
-        raise errors.EstimatorError(
-            "total_accelerators", "no accelerators left for the trainer", "ModelDoesNotFit"
+        raise errors.ModelDoesNotFitError(
+            "total_accelerators",
+            "no accelerators left for the trainer",
         )
     budget = int(device.memory_bytes * memory_fraction)
     last = trainer_memory(
@@ -155,11 +157,10 @@ def min_trainer_accelerators(
                 f"activations at {micro_batch_tokens} tokens {mem.activation_bytes / GIB:.1f} + runtime "
                 f"{mem.runtime_bytes / GIB:.1f}) <= {budget / GIB:.1f} GiB"
             )
-    raise errors.EstimatorError(
+    raise errors.ModelDoesNotFitError(
         "micro_batch_tokens",
         f"the trainer does not fit {max_accelerators} x {device.name}: {last.total_bytes / GIB:.1f} GiB/rank "
         f"(activations {last.activation_bytes / GIB:.1f} GiB at {micro_batch_tokens} tokens) "
         f"> {budget / GIB:.1f} GiB; "
         "lower micro_batch_tokens, use LoRA or add accelerators",
-        "ModelDoesNotFit",
     )

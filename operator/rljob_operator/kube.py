@@ -1,0 +1,180 @@
+"""The Kubernetes API edge: a thin async wrapper over the synchronous `kubernetes` client.
+
+Role: the only place that issues requests; `rljob_operator.handlers` holds one `Kube` per running
+operator (kopf memo). Calls run in a thread pool, never block the event loop, and are counted in
+`metrics.API_REQUESTS` / `metrics.API_ERRORS`. Idempotence lives here: `create` treats 409
+AlreadyExists and `delete_*` treat 404 NotFound as success; readers return None for 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from rljob_operator import api, metrics
+
+API_THREADS = 16
+
+
+class Kube:
+    """Thin async wrapper over the synchronous `kubernetes` client (calls run in a thread pool).
+
+    Counts every request in `metrics.API_REQUESTS` and every failure in `metrics.API_ERRORS`;
+    `create` treats 409 AlreadyExists and `delete` treats 404 NotFound as success.
+    """
+
+    def __init__(self, client: kubernetes.client.ApiClient, executor: concurrent.futures.Executor) -> None:
+        self.client = client
+        self.executor = executor
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self._creators: dict[str, Callable[..., Any]] = {
+            "Pod": self.core.create_namespaced_pod,
+            "Service": self.core.create_namespaced_service,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "ServiceAccount": self.core.create_namespaced_service_account,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
+        }
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """KUBECONFIG (or ~/.kube/config) when present, else the in-cluster ServiceAccount."""
+        cfg = kubernetes.client.Configuration()
+        # The kubernetes package reads $KUBECONFIG at import time; read it now instead.
+        path = (os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")).split(os.pathsep)[0]
+        if os.path.exists(path):
+            kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
+        else:
+            kubernetes.config.load_incluster_config(client_configuration=cfg)
+        cfg.connection_pool_maxsize = API_THREADS * 2
+        executor = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="rljob-api")
+        return cls(kubernetes.client.ApiClient(cfg), executor)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
+        self.client.close()
+
+    async def call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args, **kwargs)` without deserializing the response; returns the decoded JSON."""
+        metrics.API_REQUESTS.labels(verb, kind).inc()
+
+        def invoke() -> Any:
+            resp = fn(*args, _preload_content=False, **kwargs)
+            data = resp.data
+            return json.loads(data) if data else None
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, invoke)
+        except ApiException as exc:
+            if not ((verb == "create" and exc.status == 409) or (verb == "delete" and exc.status == 404)):
+                metrics.API_ERRORS.labels(verb, kind, str(exc.status)).inc()
+            raise
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj`; True when created, False when it already existed."""
+        kind = obj["kind"]
+        try:
+            await self.call("create", kind, self._creators[kind], obj["metadata"]["namespace"], obj)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete_pod(self, namespace: str, name: str) -> bool:
+        try:
+            await self.call("delete", "Pod", self.core.delete_namespaced_pod, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.call("get", "ConfigMap", self.core.read_namespaced_config_map, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def apply_config_map(self, obj: dict[str, Any]) -> None:
+        """Create the ConfigMap, or replace its data when it differs (spec change)."""
+        if await self.create(obj):
+            return
+        meta = obj["metadata"]
+        current = await self.read_config_map(meta["namespace"], meta["name"])
+        if current is not None and current.get("data") == obj["data"]:
+            return
+        await self.call(
+            "patch",
+            "ConfigMap",
+            self.core.patch_namespaced_config_map,
+            meta["name"],
+            meta["namespace"],
+            {"data": obj["data"]},
+        )
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self.call(
+            "patch",
+            "RLJob",
+            self.custom.patch_namespaced_custom_object_status,
+            api.GROUP,
+            api.VERSION,
+            namespace,
+            api.PLURAL,
+            name,
+            {"status": patch},
+        )
+
+    async def delete_rljob(self, namespace: str, name: str) -> None:
+        try:
+            await self.call(
+                "delete",
+                "RLJob",
+                self.custom.delete_namespaced_custom_object,
+                api.GROUP,
+                api.VERSION,
+                namespace,
+                api.PLURAL,
+                name,
+                body={"propagationPolicy": "Background"},
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def _read(self, kind: str, fn: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+        try:
+            return await self.call("get", kind, fn, *args)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def read_rljob(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The RLJob as stored now: handlers re-read it inside the job's lock (kopf's body may be stale)."""
+        return await self._read(
+            "RLJob",
+            self.custom.get_namespaced_custom_object,
+            api.GROUP,
+            api.VERSION,
+            namespace,
+            api.PLURAL,
+            name,
+        )
+
+    async def read_pvc(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._read(
+            "PersistentVolumeClaim", self.core.read_namespaced_persistent_volume_claim, name, namespace
+        )
