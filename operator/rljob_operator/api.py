@@ -337,7 +337,12 @@ class LoRASpec(_Spec):
     alpha: int = Field(
         32, ge=1, le=4096, description="Scaling numerator; the update is scaled by alpha / rank."
     )
-    dropout: float = Field(0.0, ge=0.0, le=1.0, description="Dropout on the adapter input, 0 to 1.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter input, at least 0 and below 1 (1 drops every input).",
+    )
     target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
         default_factory=lambda: ["all-linear"],
         min_length=1,

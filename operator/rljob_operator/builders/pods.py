@@ -19,6 +19,7 @@ from rljob_operator import api, names
 from rljob_operator.builders import configmaps
 from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
 from rljob_trainer import config as tc
+from rljob_trainer import termination
 
 RUN_AS_USER = 1000
 CONFIG_VOLUME = "config"
@@ -36,6 +37,7 @@ def _env(job: JobRef, role: str, index: int, layout: JobLayout) -> list[dict[str
     return [
         {"name": tc.ENV_CONFIG_PATH, "value": f"{names.CONFIG_MOUNT_DIR}/{tc.CONFIGMAP_KEY}"},
         {"name": tc.ENV_ROLE, "value": role},
+        {"name": termination.ENV_TERMINATION_LOG, "value": termination.DEFAULT_PATH},
         {"name": tc.ENV_POD_INDEX, "value": str(index)},
         {"name": tc.ENV_JOB_NAME, "value": job.name},
         {"name": tc.ENV_NAMESPACE, "value": job.namespace},
@@ -170,6 +172,10 @@ def _build_pod(
                 "ports": ports,
                 "resources": _resources(spec, accelerators),
                 "volumeMounts": mounts,
+                # The trainer writes its fatal cause there (rljob_trainer.termination); a crash
+                # that writes nothing still shows the log's tail in the pod's status.
+                "terminationMessagePath": termination.DEFAULT_PATH,
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "privileged": False,
