@@ -1,29 +1,35 @@
-"""kopf handlers: the operator's imperative shell and the only module that calls the Kubernetes API.
+"""kopf handlers: the operator's imperative shell (all API calls go through `kube.Kube`).
 
-Role: one level-based reconcile (`_reconcile`) run on create, resume, spec update and on a timer,
-serialized per job by an `asyncio.Lock` keyed by `names.job_key()`. Each run: parse the spec
-(`api.RLJobSpec.model_validate`) → read the model config → plan → build (pure builders) → apply
-idempotently (AlreadyExists is success; pods are created in index order under deterministic names,
-so a crash between two steps never duplicates anything) → compute the status (pure `status`) and
-write it through the status subresource only when it changed → post Events on transitions.
+Role: one level-based reconcile (`_reconcile`) run on create, resume and spec update, and by the
+resync loop for every job in the RLJob index (every RLJOB_RECONCILE_INTERVAL_S, sooner when a
+reconcile asks), serialized per job by an `asyncio.Lock` keyed by `names.job_key()`. The shape is
+KubeRay's: inside the lock the RLJob is re-read, then a fixed list of steps (`STEPS`: finished?,
+plan, suspend, outcome, backoff, children, volumes, capacity, adapt, pods) runs; each step
+returns what it observed (`status.Observed`) and may stop the list; one pure
+`status.compute_status` runs at the tail and the status is written once, only if it changed;
+Events follow condition transitions. Any exception in a step becomes a condition: `errors.RLJobError`
+with its own reason, anything else as `InternalError` quoting the exception, retried by the loop.
 
-Observations come from kopf indexes (pods, telemetry ConfigMaps and nodes are watched, not
-listed), so a reconcile that finds nothing to do makes no API call. Pod failures follow
-`spec.restartPolicy`: the restart count is written first (it is the run attempt stamped on pods),
-then the old attempt's pods are deleted, and the new ones are created after an exponential
-backoff signalled with `kopf.TemporaryError(delay=...)`. Adaptive mode calls `policy.decide()` on
-the telemetry history and reconciles its targets into `<job>-rollout-<j>` pods and
-`status.rollout.desired*`. Semantic errors become conditions; nothing here crash-loops.
+Observations come from kopf indexes (pods, telemetry ConfigMaps, nodes and RLJobs are watched, not
+listed). Pod failures follow `reconcile.decide_restart` (pure): a failure counts against
+`spec.restartPolicy.backoffLimit` and restarts the gang after an exponential backoff; a
+disruption (eviction, preemption, lost node) restarts it at once and is not counted. The new
+attempt is written to the status first (it is what marks the old pods stale); the next
+reconcile deletes them and creates the new ones. Adaptive mode calls `policy.decide()` on the
+telemetry history and reconciles its targets into `<job>-rollout-<j>` pods and
+`status.rollout.desired*`. No kopf timer or daemon: those would put a finalizer on every RLJob,
+and RLJobs would then outlive an uninstalled operator.
 
 Entry point: `run_operator(namespace)` (used by `rljob operator`), or
 `kopf run --standalone -m rljob_operator.handlers [--namespace NS | -A]`.
-Environment (read once, here in the shell): `RLJOB_RECONCILE_INTERVAL_S` (timer, default 10),
+Environment (read once, here in the shell): `RLJOB_RECONCILE_INTERVAL_S` (resync, default 10),
 `RLJOB_METRICS_PORT` (default 8080, 0 disables), `RLJOB_EVENT_INTERVAL_S` (Event rate limit, 30).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -43,11 +49,12 @@ from rljob_trainer import telemetry
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "10"))
 METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
-# A terminating pod still holds its name; check again soon rather than at the next timer tick.
+# A terminating pod still holds its name; check again soon rather than at the next resync.
 WAIT_FOR_TERMINATION_S = 1.0
 RETRY_SEMANTIC_ERROR_S = 30.0  # a retryable error (a ConfigMap or nodes that may appear)
 RETRY_INTERNAL_ERROR_S = 10.0
-CANCELLATION_POLLING_S = 1.0
+RESYNC_TICK_S = 0.25  # how often the resync loop looks for due jobs
+RESYNC_CONCURRENCY = 16
 
 RLJOBS = (api.GROUP, api.VERSION, api.PLURAL)
 
@@ -71,6 +78,16 @@ class State:
     caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
     events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     phases: dict[str, str] = dataclasses.field(default_factory=dict)
+    due: dict[str, float] = dataclasses.field(default_factory=dict)  # next resync, monotonic s
+    resync: asyncio.Task[None] | None = None
+
+    def forget(self, key: str) -> None:
+        """A deleted job: drop everything kept for it."""
+        self.caches.pop(key, None)
+        self.locks.pop(key, None)
+        self.phases.pop(key, None)
+        self.due.pop(key, None)
+        metrics.set_phase_counts(self.phases)
 
 
 def _state(memo: kopf.Memo) -> State:
@@ -83,13 +100,23 @@ def _state(memo: kopf.Memo) -> State:
 # ---- startup, indexes ----------------------------------------------------------------------------
 @kopf.on.startup()
 async def rljob_startup(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    rljob_pods: kopf.Index,
+    rljob_telemetry: kopf.Index,
+    rljob_nodes: kopf.Index,
+    rljob_jobs: kopf.Index,
+    **_: Any,
 ) -> None:
-    """All kopf settings in one place, the API client, and the metrics endpoint."""
+    """All kopf settings in one place, the API client, the metrics endpoint and the resync loop."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.KOPF_PREFIX, key="last-handled-configuration"
     )
+    # No handler needs a finalizer (there are no kopf timers or daemons, and the delete handler
+    # is optional), so none is added: deleting an RLJob, or the CRD after `helm uninstall`, never
+    # waits for an operator that is gone. kopf removes the finalizer older versions added.
     settings.persistence.finalizer = names.FINALIZER
     # Our own Events are explicit (kopf.event); log lines become Events only from WARNING up.
     settings.posting.level = logging.WARNING
@@ -99,11 +126,11 @@ async def rljob_startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = kube.API_THREADS
-    # kopf releases the finalizer of a deleted RLJob only once its timer has exited, and re-checks an
-    # exiting timer every `cancellation_polling` seconds (default 60). The timer is often still
-    # running when the deletion arrives (it is what deletes a job whose TTL expired), so poll soon.
-    settings.background.cancellation_polling = CANCELLATION_POLLING_S
-    memo["rljob"] = State(kube=kube.Kube.from_environment())
+    state = State(kube=kube.Kube.from_environment())
+    memo["rljob"] = state
+    # The indexes are live objects, filled by kopf's watches from now on.
+    indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
+    state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
 
@@ -121,6 +148,10 @@ def rljob_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
     state = memo.get("rljob")
     if isinstance(state, State):
+        if state.resync is not None:
+            state.resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await state.resync
         state.kube.close()
 
 
@@ -146,35 +177,46 @@ def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
     return {"nodes": reconcile.observe_node(body)}
 
 
+@kopf.index(*RLJOBS)
+def rljob_jobs(namespace: str, name: str, **_: Any) -> Any:
+    """Every RLJob, by (namespace, name): what the resync loop reconciles."""
+    return {(namespace, name): True}
+
+
 # ---- the handlers --------------------------------------------------------------------------------
 def _handler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    keys = ("name", "namespace", "memo", "logger")
-    out = {k: kwargs[k] for k in keys}
-    out["pods_index"] = kwargs["rljob_pods"]
-    out["telemetry_index"] = kwargs["rljob_telemetry"]
-    out["nodes_index"] = kwargs["rljob_nodes"]
-    return out
+    return {
+        "name": kwargs["name"],
+        "namespace": kwargs["namespace"],
+        "state": _state(kwargs["memo"]),
+        "logger": kwargs["logger"],
+        "pods_index": kwargs["rljob_pods"],
+        "telemetry_index": kwargs["rljob_telemetry"],
+        "nodes_index": kwargs["rljob_nodes"],
+    }
+
+
+async def _handle(cause: str, kwargs: dict[str, Any]) -> None:
+    """A kopf cause: reconcile now; the resync loop takes any retry the reconcile asks for."""
+    args = _handler_kwargs(kwargs)
+    delay = await _reconcile(cause=cause, **args)
+    key = names.job_key(args["namespace"], args["name"])
+    args["state"].due[key] = time.monotonic() + (RECONCILE_INTERVAL_S if delay is None else delay)
 
 
 @kopf.on.create(*RLJOBS)
 async def rljob_create(**kwargs: Any) -> None:
-    await _reconcile(cause="create", **_handler_kwargs(kwargs))
+    await _handle("create", kwargs)
 
 
 @kopf.on.resume(*RLJOBS)
 async def rljob_resume(**kwargs: Any) -> None:
-    await _reconcile(cause="resume", **_handler_kwargs(kwargs))
+    await _handle("resume", kwargs)
 
 
 @kopf.on.update(*RLJOBS, field="spec")
 async def rljob_update(**kwargs: Any) -> None:
-    await _reconcile(cause="update", **_handler_kwargs(kwargs))
-
-
-@kopf.timer(*RLJOBS, interval=RECONCILE_INTERVAL_S, initial_delay=RECONCILE_INTERVAL_S)
-async def rljob_timer(**kwargs: Any) -> None:
-    """Level-based resync: pod phases, failures, backoff ends, telemetry → decide(), TTL."""
-    await _reconcile(cause="timer", **_handler_kwargs(kwargs))
+    await _handle("update", kwargs)
 
 
 @kopf.on.delete(*RLJOBS, optional=True)
@@ -182,11 +224,62 @@ async def rljob_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
     """Children go through their owner references and the garbage collector; forget our caches."""
     state = memo.get("rljob")
     if isinstance(state, State):
-        key = names.job_key(namespace, name)
-        state.caches.pop(key, None)
-        state.locks.pop(key, None)
-        state.phases.pop(key, None)
-        metrics.set_phase_counts(state.phases)
+        state.forget(names.job_key(namespace, name))
+
+
+# ---- the resync loop (instead of a kopf timer, which would put a finalizer on every RLJob) -------
+@dataclasses.dataclass(frozen=True)
+class _Indexes:
+    pods: kopf.Index
+    telemetry: kopf.Index
+    nodes: kopf.Index
+    jobs: kopf.Index
+
+
+async def _resync_loop(state: State, indexes: _Indexes) -> None:
+    """Level-based resync of every job: pod phases, failures, backoff ends, telemetry, TTL.
+
+    Each job is reconciled every RLJOB_RECONCILE_INTERVAL_S, or sooner when its last reconcile
+    asked for it (a pod still terminating, a backoff ending, an internal error to retry). At most
+    `RESYNC_CONCURRENCY` reconciles run at once.
+    """
+    log = logging.getLogger("rljob_operator.resync")
+    await asyncio.sleep(min(RECONCILE_INTERVAL_S, RESYNC_TICK_S * 4))
+    limit = asyncio.Semaphore(RESYNC_CONCURRENCY)
+    running: dict[str, asyncio.Task[None]] = {}
+
+    async def one(namespace: str, name: str, key: str) -> None:
+        try:
+            async with limit:
+                delay = await _reconcile(
+                    cause="timer",
+                    name=name,
+                    namespace=namespace,
+                    state=state,
+                    logger=log,
+                    pods_index=indexes.pods,
+                    telemetry_index=indexes.telemetry,
+                    nodes_index=indexes.nodes,
+                )
+        except Exception as exc:  # the status write itself failed (API down): try again later
+            log.warning(f"resync of {key} failed: {type(exc).__name__}: {exc}")
+            delay = RECONCILE_INTERVAL_S
+        finally:
+            running.pop(key, None)
+        state.due[key] = time.monotonic() + (RECONCILE_INTERVAL_S if delay is None else delay)
+
+    while True:
+        now = time.monotonic()
+        present = set()
+        for namespace, name in list(indexes.jobs.keys()):
+            key = names.job_key(namespace, name)
+            present.add(key)
+            if key in running or state.due.setdefault(key, now + RECONCILE_INTERVAL_S) > now:
+                continue
+            running[key] = asyncio.create_task(one(namespace, name, key), name=f"rljob-resync-{key}")
+        for key in set(state.due) - present - set(running):
+            state.forget(key)
+        await asyncio.sleep(RESYNC_TICK_S)
 
 
 # ---- reconcile -----------------------------------------------------------------------------------
@@ -195,14 +288,13 @@ async def _reconcile(
     cause: str,
     name: str,
     namespace: str,
-    memo: kopf.Memo,
+    state: State,
     logger: Any,
     pods_index: kopf.Index,
     telemetry_index: kopf.Index,
     nodes_index: kopf.Index,
-    **_: Any,
-) -> None:
-    state = _state(memo)
+) -> float | None:
+    """Reconcile one job under its lock; returns when to run again (seconds), or None for the interval."""
     key = names.job_key(namespace, name)
     lock = state.locks.setdefault(key, asyncio.Lock())
     started = time.monotonic()
@@ -212,7 +304,7 @@ async def _reconcile(
             # reconcile of this job just wrote (restarts, adaptive targets), and must not undo it.
             body = await state.kube.read_rljob(namespace, name)
             if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-                return
+                return None
             raw_status = dict(body.get("status") or {})
             ctx = _Ctx(
                 state=state,
@@ -231,11 +323,11 @@ async def _reconcile(
             )
             observed = await _run_steps(ctx)
             await _write_status(ctx, observed)
+            if ctx.retry_s is not None:
+                logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
+            return ctx.retry_s
     finally:
         metrics.RECONCILE_SECONDS.labels(cause).observe(time.monotonic() - started)
-    if ctx.retry_s is not None:
-        # kopf retries the handler; the status already says why.
-        raise kopf.TemporaryError(ctx.retry_why or "reconcile again", delay=ctx.retry_s)
 
 
 @dataclasses.dataclass

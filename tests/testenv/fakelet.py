@@ -6,7 +6,12 @@ Called by `testenv.cluster.LocalCluster`. For each node it registers it:
 - plays the kubelet's part for pods the real scheduler binds to it: marks them Running (with
   Ready conditions, container statuses and a pod IP), finishes graceful deletions (a kubelet
   confirms a pod's deletion with grace period 0; without that a deleted pod would stay
-  Terminating forever), and on request ends a pod as Failed or Succeeded with an exit code.
+  Terminating forever), and on request ends a pod as Failed or Succeeded with an exit code;
+- refuses to start what a kubelet cannot start, with the kubelet's waiting reasons and messages:
+  a missing Secret/ConfigMap (or key) behind an env var is `CreateContainerConfigError`
+  (`secret "x" not found`, `couldn't find key k in Secret ns/x`); an image marked unpullable
+  (`mark_image_unpullable`, or any image on a `*.invalid` host) is `ErrImagePull`, then
+  `ImagePullBackOff`; the pod starts once the cause is gone, as a kubelet's retries do.
 
 Nodes labelled `rljob.io/local-exec: "true"` (`LocalCluster.add_nodes(exec_local=True)`) go one
 step further, for end-to-end runs: a pod bound there really runs, as a process group on this
@@ -24,13 +29,15 @@ ports (dashboard 8265, client server 10001, dashboard agent 52365) would collide
 on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones,
 and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
 
-The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with the exit code
-when its main process ends, after which nothing of it survives (as in a container). Deleting it
-SIGTERMs, then after the grace period (at most 10 s) SIGKILLs, every process of the pod: its
-session, which holds the daemons `ray start` spawns even after they rewrite their environ, plus
-anything carrying the pod's marker in its environment; then the deletion is confirmed. Output
-goes to `<cluster workdir>/pod-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU
-nodes run nothing.
+The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with the exit code when
+its main process ends (the container's termination-message file, mounted at its
+`terminationMessagePath`, becomes `state.terminated.message`; with `FallbackToLogsOnError` an empty
+file on failure gives the log's last 80 lines / 2048 bytes, as the kubelet does), after which
+nothing of it survives (as in a container). Deleting it SIGTERMs, then after the grace period (at
+most 10 s) SIGKILLs, every process of the pod: its session, which holds the daemons `ray start`
+spawns even after they rewrite their environ, plus anything carrying the pod's marker in its
+environment; then the deletion is confirmed. Output goes to `<cluster workdir>/pod-
+logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU nodes run nothing.
 """
 
 from __future__ import annotations
@@ -158,6 +165,13 @@ POD_MARKER_ENV = "RLJOB_FAKELET_POD_UID"
 LOCAL_POD_IP = "127.0.0.1"
 STOP_GRACE_CAP_S = 10.0
 START_RETRY_S = 60.0
+# What a kubelet does before it starts a container, and how it reports a pod it cannot start.
+UNPULLABLE_HOST_SUFFIX = ".invalid"  # RFC 6761: never resolves, so a real pull fails the same way
+IMAGE_PULL_BACKOFF_AFTER_S = 2.0
+BLOCKED_RECHECK_S = 2.0
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+FALLBACK_LOG_LINES = 80  # FallbackToLogsOnError: the kubelet keeps the log's last 80 lines / 2048 bytes
+FALLBACK_LOG_BYTES = 2048
 HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "USER", "LOGNAME", "SHELL", "TZ")
 PYTHON_NAMES = ("python", "python3")
 
@@ -270,6 +284,7 @@ class LocalPod:
     process: subprocess.Popen[bytes] | None = None
     started_at: str = ""
     stopping: bool = False
+    termination_log: Path | None = None
 
 
 def _session(local: LocalPod) -> int | None:
@@ -300,6 +315,14 @@ def kill_pod_processes(local: LocalPod, grace_s: float) -> None:
         time.sleep(0.1)
 
 
+def _has_started(pod: Any) -> bool:
+    """Whether a container of `pod` ever ran or ended (a waiting container has not started)."""
+    for cs in (pod.status.container_statuses if pod.status else None) or []:
+        if cs.state is not None and (cs.state.running is not None or cs.state.terminated is not None):
+            return True
+    return False
+
+
 class FakeKubelet:
     """Keeps registered nodes Ready and drives the lifecycle of pods bound to them."""
 
@@ -321,6 +344,8 @@ class FakeKubelet:
         self._root: Path | None = None
         self._seq = 0
         self._log_dir = log_dir  # `<namespace>_<pod>.log` there (appended to across pod restarts)
+        self._unpullable: set[str] = set()  # images whose pull fails (plus any on a *.invalid host)
+        self._blocked: set[str] = set()  # uids of pods waiting to start (their recheck loop runs)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
@@ -389,6 +414,8 @@ class FakeKubelet:
     def _handle(self, pod: Any) -> None:
         if not self._owns(pod):
             return
+        if pod.metadata.deletion_timestamp is None and self._hold_if_blocked(pod):
+            return
         with self._lock:
             local_exec = pod.spec.node_name in self._exec_nodes
         if local_exec:
@@ -401,8 +428,171 @@ class FakeKubelet:
                 self._core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
             return
         phase = pod.status.phase if pod.status else None
-        if phase in (None, "Pending") and not (pod.status and pod.status.container_statuses):
+        if phase in (None, "Pending") and not _has_started(pod):
             self._set_running(pod)
+
+    # ---- what stops a container from starting, as a kubelet reports it ---------------------------
+
+    def mark_image_unpullable(self, image: str) -> None:
+        """Pulls of `image` fail from now on (ErrImagePull, then ImagePullBackOff), as from a registry
+        that does not have it; images on a `*.invalid` host always fail."""
+        with self._lock:
+            self._unpullable.add(image)
+
+    def _image_error(self, image: str) -> str | None:
+        host = image.split("/", 1)[0] if "/" in image else ""
+        with self._lock:
+            marked = image in self._unpullable
+        if marked or host.split(":", 1)[0].endswith(UNPULLABLE_HOST_SUFFIX):
+            return (
+                f'failed to pull and unpack image "{image}": failed to resolve reference "{image}": '
+                f"failed to do request: dial tcp: lookup {host or 'docker.io'}: no such host"
+            )
+        return None
+
+    def _config_error(self, pod: Any, container: Any) -> str | None:
+        """The kubelet's CreateContainerConfigError message for a missing env source, or None."""
+        namespace = pod.metadata.namespace
+        for var in container.env or []:
+            source = var.value_from
+            if source is None:
+                continue
+            for ref, kind, read in (
+                (source.config_map_key_ref, "ConfigMap", self._core.read_namespaced_config_map),
+                (source.secret_key_ref, "Secret", self._core.read_namespaced_secret),
+            ):
+                if ref is None or ref.optional:
+                    continue
+                try:
+                    data = read(ref.name, namespace).data or {}
+                except ApiException as error:
+                    if error.status == 404:
+                        return f'{kind.lower()} "{ref.name}" not found'
+                    raise
+                if ref.key not in data:
+                    return f"couldn't find key {ref.key} in {kind} {namespace}/{ref.name}"
+        for env_from in container.env_from or []:
+            for ref, kind, read in (
+                (env_from.config_map_ref, "ConfigMap", self._core.read_namespaced_config_map),
+                (env_from.secret_ref, "Secret", self._core.read_namespaced_secret),
+            ):
+                if ref is None or ref.optional:
+                    continue
+                try:
+                    read(ref.name, namespace)
+                except ApiException as error:
+                    if error.status == 404:
+                        return f'{kind.lower()} "{ref.name}" not found'
+                    raise
+        return None
+
+    def _start_blocker(self, pod: Any, *, backoff: bool) -> tuple[str, str, str] | None:
+        """(container, waiting reason, message) of the first container that cannot start, or None."""
+        for container in pod.spec.containers:
+            pull = self._image_error(container.image or "")
+            if pull is not None:
+                if backoff:
+                    return (
+                        container.name,
+                        "ImagePullBackOff",
+                        f'Back-off pulling image "{container.image}": {pull}',
+                    )
+                return container.name, "ErrImagePull", pull
+            config = self._config_error(pod, container)
+            if config is not None:
+                return container.name, "CreateContainerConfigError", config
+        return None
+
+    def _hold_if_blocked(self, pod: Any) -> bool:
+        """Keep a pod that cannot start Pending with the kubelet's waiting reason; True when held.
+
+        A kubelet retries: the recheck loop starts the pod once its image pulls and its Secrets and
+        ConfigMaps exist, and moves ErrImagePull to ImagePullBackOff as a kubelet's back-off does.
+        """
+        if _has_started(pod) and not self._is_blocked(pod.metadata.uid):
+            return False
+        blocker = self._start_blocker(pod, backoff=False)
+        if blocker is None:
+            return False
+        with self._lock:
+            if pod.metadata.uid in self._blocked:
+                return True
+            self._blocked.add(pod.metadata.uid)
+        self._set_waiting(pod, *blocker)
+        self._spawn_thread(self._recheck_blocked, pod, name=f"fakelet-blocked-{pod.metadata.name}")
+        return True
+
+    def _is_blocked(self, uid: str) -> bool:
+        with self._lock:
+            return uid in self._blocked
+
+    def _recheck_blocked(self, pod: Any) -> None:
+        started = time.monotonic()
+        namespace, name, uid = pod.metadata.namespace, pod.metadata.name, pod.metadata.uid
+        try:
+            while not self._stop.wait(BLOCKED_RECHECK_S):
+                try:
+                    fresh = self._core.read_namespaced_pod(name, namespace)
+                except ApiException:
+                    return
+                if fresh.metadata.uid != uid or fresh.metadata.deletion_timestamp is not None:
+                    return
+                backoff = time.monotonic() - started >= IMAGE_PULL_BACKOFF_AFTER_S
+                blocker = self._start_blocker(fresh, backoff=backoff)
+                if blocker is None:
+                    with self._lock:
+                        self._blocked.discard(uid)
+                    self._clear_waiting(fresh)
+                    return
+                self._set_waiting(fresh, *blocker)
+        finally:
+            with self._lock:
+                self._blocked.discard(uid)
+
+    def _clear_waiting(self, pod: Any) -> None:
+        """The blocker is gone: start the pod as if it had just been bound here."""
+        with self._lock:
+            local_exec = pod.spec.node_name in self._exec_nodes
+        if local_exec:
+            self._handle_local(pod, resume=True)
+        else:
+            self._set_running(pod)
+
+    def _set_waiting(self, pod: Any, container_name: str, reason: str, message: str) -> None:
+        now = _rfc3339(_now())
+        statuses = [
+            {
+                "name": c.name,
+                "image": c.image or "",
+                "imageID": "",
+                "ready": False,
+                "started": False,
+                "restartCount": 0,
+                "state": {
+                    "waiting": {"reason": reason, "message": message}
+                    if c.name == container_name
+                    else {"reason": "PodInitializing"}
+                },
+            }
+            for c in pod.spec.containers
+        ]
+        not_ready = {"status": "False", "reason": "ContainersNotReady", "lastTransitionTime": now}
+        body = {
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+                    {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                    {"type": "ContainersReady", **not_ready},
+                    {"type": "Ready", **not_ready},
+                ],
+                "containerStatuses": statuses,
+                "hostIP": "127.0.0.1",
+                "startTime": now,
+            }
+        }
+        with contextlib.suppress(ApiException):
+            self._core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
 
     def _set_running(self, pod: Any, *, ip: str | None = None, container_id: str = "fake") -> None:
         now = _rfc3339(_now())
@@ -445,10 +635,11 @@ class FakeKubelet:
         with contextlib.suppress(ApiException):
             self._core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
 
-    def fail_pod(self, namespace: str, name: str, exit_code: int) -> None:
-        """End a pod's containers with `exit_code`: phase Failed, or Succeeded for 0."""
+    def fail_pod(self, namespace: str, name: str, exit_code: int, message: str | None = None) -> None:
+        """End a pod's containers with `exit_code`: phase Failed, or Succeeded for 0; `message` is
+        what the container wrote to its termination-message file."""
         pod = self._core.read_namespaced_pod(name, namespace)
-        self._set_terminated(pod, exit_code)
+        self._set_terminated(pod, exit_code, message=message)
 
     def _set_terminated(
         self,
@@ -469,7 +660,7 @@ class FakeKubelet:
             "finishedAt": now,
         }
         if message:
-            terminated["message"] = message[-1024:]
+            terminated["message"] = message[-4096:]
         statuses = [
             {
                 "name": c.name,
@@ -520,7 +711,7 @@ class FakeKubelet:
             local = self._by_name.get((namespace, name))
         return pod_pids(local.uid, _session(local)) if local is not None else []
 
-    def _handle_local(self, pod: Any) -> None:
+    def _handle_local(self, pod: Any, *, resume: bool = False) -> None:
         uid = pod.metadata.uid
         with self._lock:
             local = self._local.get(uid)
@@ -533,10 +724,8 @@ class FakeKubelet:
                 return
             if local is not None:
                 return  # starting or running already
-            started_before = pod.status and (
-                pod.status.container_statuses or pod.status.phase not in (None, "Pending")
-            )
-            if started_before:
+            started_before = pod.status and (_has_started(pod) or pod.status.phase not in (None, "Pending"))
+            if started_before and not resume:
                 return  # run by an earlier kubelet: nothing to restart (restartPolicy is the operator's)
             if self._root is None:
                 # Short: Ray's AF_UNIX socket paths live under the pod's TMPDIR (107 bytes at most).
@@ -606,13 +795,29 @@ class FakeKubelet:
         exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
         log.info("local pod %s/%s exited with %s", local.namespace, local.name, exit_code)
         if not (local.stopping or self._stop.is_set()):
+            message = self._termination_message(pod, local, exit_code)
             with contextlib.suppress(ApiException):
-                self._set_terminated(pod, exit_code, started_at=local.started_at, container_id="local")
+                self._set_terminated(
+                    pod, exit_code, started_at=local.started_at, container_id="local", message=message
+                )
         # A container ends with its main process: nothing it left behind (Ray daemons) survives it.
         # Reported first, as in a container where everything dies at once: the daemons' end must not
         # make the job's other pods fail before this one's exit is known.
         if not local.stopping:
             kill_pod_processes(local, grace_s=5.0)
+
+    def _termination_message(self, pod: Any, local: LocalPod, exit_code: int) -> str | None:
+        """The file the container wrote, else (FallbackToLogsOnError, on failure) the log's tail."""
+        text = ""
+        if local.termination_log is not None:
+            with contextlib.suppress(OSError):
+                text = local.termination_log.read_text(errors="replace")[:4096]
+        policy = pod.spec.containers[0].termination_message_policy or "File"
+        if not text.strip() and exit_code != 0 and policy == "FallbackToLogsOnError":
+            with contextlib.suppress(OSError):
+                lines = local.log_path.read_text(errors="replace").splitlines()[-FALLBACK_LOG_LINES:]
+                text = "\n".join(lines).encode()[-FALLBACK_LOG_BYTES:].decode(errors="replace")
+        return text.strip() or None
 
     def _delete_local(self, pod: Any, local: LocalPod | None) -> None:
         if local is not None:
@@ -643,6 +848,12 @@ class FakeKubelet:
         container = pod.spec.containers[0]
         namespace = local.namespace
         mounts = self._materialise_volumes(pod, container, local)
+        # The container's termination-message file, as the kubelet bind-mounts it.
+        message_path = container.termination_message_path or DEFAULT_TERMINATION_MESSAGE_PATH
+        local.termination_log = local.folder / "termination-log"
+        local.termination_log.touch()
+        mounts.append((message_path, str(local.termination_log)))
+        mounts.sort(key=lambda m: len(m[0]), reverse=True)
         env = {k: os.environ[k] for k in HOST_ENV_KEEP if k in os.environ}
         env["PATH"] = os.pathsep.join([os.path.dirname(self._python), env.get("PATH", "/usr/bin:/bin")])
         env["HOME"] = str(local.folder)

@@ -56,8 +56,9 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 */}}
 {{- define "rljob.namespacedRules" -}}
 # RLJobs: kopf lists and watches them and patches its annotations and finalizer; the TTL after a
-# finished job deletes it. `get` is not called, but every job's Role grants `get` on its RLJob,
-# and RBAC escalation prevention lets the operator grant only what it holds itself.
+# finished job deletes it. `get`: every reconcile re-reads its RLJob inside the job's lock (so a
+# stale watch body never overwrites the status), and every job's Role grants `get` on its RLJob,
+# which RBAC escalation prevention lets the operator grant only because it holds it itself.
 - apiGroups: [rljob.io]
   resources: [rljobs]
   verbs: [get, list, watch, patch, delete]
@@ -96,6 +97,11 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [create]
+# PersistentVolumeClaims a job mounts: read once before an attempt's first pod, to report a
+# missing claim or one whose access modes the job's pods cannot share (never written).
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get]
 # Events on RLJobs (kopf.event / kopf.warn post core/v1 Events; never patched).
 - apiGroups: [""]
   resources: [events]

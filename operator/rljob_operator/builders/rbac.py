@@ -88,6 +88,7 @@ def operator_rules() -> list[dict[str, Any]]:
     - pods, services, configmaps, serviceaccounts, roles, rolebindings: the job's children.
       Creating a Role requires holding its rules, which the configmaps/rljobs grants cover.
     - nodes: read-only, to check that the node pool can hold the plan.
+    - persistentvolumeclaims: get, to report a missing claim or one the pods cannot share.
     - events: kopf posts Events on transitions.
     - kopf peering and CRD/namespace discovery.
     """
@@ -100,6 +101,7 @@ def operator_rules() -> list[dict[str, Any]]:
         _rule("", ["pods", "services", "configmaps", "serviceaccounts"], rw),
         _rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], rw),
         _rule("", ["nodes"], read),
+        _rule("", ["persistentvolumeclaims"], ["get"]),
         _rule("", ["events"], ["create", "patch"]),
         _rule("events.k8s.io", ["events"], ["create", "patch"]),
         _rule("", ["namespaces"], read),
