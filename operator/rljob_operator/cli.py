@@ -1,4 +1,4 @@
-"""The `rljob` command: plan a job offline, validate manifests, generate the CRD, run the operator.
+"""The `rljob` command: plan or render a job offline, validate manifests, generate the CRD, run the operator.
 
 Entry point of the `rljob` console script. A thin shell: every subcommand parses its flags and calls
 one function of the core (`planning.plan_job`, `crd.write_crds`, `handlers.run_operator`). kopf is
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
 from rljob_operator import api, crd, planning
@@ -114,6 +115,36 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    """Print every object the operator would create for each RLJob in the manifest."""
+    from rljob_operator import errors, render
+
+    out: list[dict[str, Any]] = []
+    for doc in _read_rljobs(args.filename):
+        meta = doc.get("metadata") or {}
+        spec = _parse_spec(doc, args.filename)
+        namespace = args.namespace or meta.get("namespace") or "default"
+        try:
+            out += render.render_job(
+                meta.get("name", "rljob"),
+                namespace,
+                spec,
+                _model_config(spec, args.model_config),
+                only=args.only,
+            )
+        except errors.RLJobError as exc:
+            print(f"rljob render: {exc.reason}: {exc}", file=sys.stderr)
+            return 2
+    if args.output == "json":
+        body: Any = out[0] if args.only == "trainer-config" and len(out) == 1 else {
+            "apiVersion": "v1", "kind": "List", "items": out
+        }  # fmt: skip
+        print(json.dumps(body, indent=2, sort_keys=False))
+    else:
+        print(yaml.safe_dump_all(out, sort_keys=False), end="")
+    return 0
+
+
 def cmd_crd(args: argparse.Namespace) -> int:
     if args.stdout:
         sys.stdout.write(crd.render_crd_yaml())
@@ -181,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check RLJob manifests against the API offline")
     validate.add_argument("-f", "--filename", required=True)
     validate.set_defaults(func=cmd_validate)
+
+    render_cmd = sub.add_parser(
+        "render", help="print every object the operator would create for an RLJob, offline"
+    )
+    render_cmd.add_argument("-f", "--filename", required=True, help="RLJob manifest (YAML, - for stdin)")
+    render_cmd.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    render_cmd.add_argument(
+        "--only", choices=["all", "trainer-config", "pods", "rbac"], default="all", help="one kind of object"
+    )
+    render_cmd.add_argument("-n", "--namespace", help="namespace of the objects (default: the manifest's)")
+    render_cmd.add_argument("--model-config", help="the model's config.json (needed for configMapRef)")
+    render_cmd.set_defaults(func=cmd_render)
 
     crd_cmd = sub.add_parser("crd", help="generate crds/ from the API models")
     crd_cmd.add_argument(

@@ -507,10 +507,10 @@ async def _step_backoff(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 async def _step_children(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Everything but pods (once per generation/config; AlreadyExists is success)."""
     spec = _spec_of(seen)
-    assert seen.plan is not None
-    config_map = builders.build_config_map(ctx.job, spec, seen.plan, ctx.model_config)
-    ctx.config_hash = builders.content_hash(config_map["data"])
-    await _apply_children(ctx, config_map, ctx.config_hash)
+    assert seen.plan is not None and seen.layout is not None
+    objects = builders.build_job_objects(ctx.job, spec, seen.plan, seen.layout, ctx.model_config)
+    ctx.config_hash = objects.config_hash
+    await _apply_children(ctx, objects)
     return seen, False
 
 
@@ -646,23 +646,18 @@ async def _plan(ctx: _Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[st
     return plan, model_config
 
 
-async def _apply_children(ctx: _Ctx, config_map: dict[str, Any], config_hash: str) -> None:
+async def _apply_children(ctx: _Ctx, objects: builders.JobObjects) -> None:
     cache = ctx.state.caches.setdefault(ctx.key, Cache())
-    if cache.applied == config_hash:
+    if cache.applied == objects.config_hash:
         return
-    job, kube = ctx.job, ctx.state.kube
-    children = [
-        builders.build_service_account(job.name, job.namespace),
-        builders.build_role(job.name, job.namespace),
-        builders.build_role_binding(job.name, job.namespace),
-        builders.build_headless_service(job),
-        builders.build_telemetry_config_map(job),  # create-only: the driver owns its data
-    ]
+    children = [dict(obj) for obj in objects.children]  # the telemetry ConfigMap: the driver owns its data
+    config_map = dict(objects.config_map)
     for obj in [*children, config_map]:
         kopf.adopt(obj, owner=ctx.body)
     # Independent objects: create them concurrently (each is idempotent on its own).
+    kube = ctx.state.kube
     await asyncio.gather(*(kube.create(obj) for obj in children), kube.apply_config_map(config_map))
-    cache.applied = config_hash
+    cache.applied = objects.config_hash
 
 
 async def _delete_pods(ctx: _Ctx, pod_names: Sequence[str], *, why: str) -> None:
