@@ -38,6 +38,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from rljob_operator import quantity
+
 GROUP = "rljob.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -97,12 +99,10 @@ _QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-_QUANTITY_RE = re.compile(_QUANTITY_PATTERN)
 
 
 def _check_quantity(value: int | str) -> int | str:
-    if isinstance(value, str) and not _QUANTITY_RE.match(value):
-        raise ValueError(f"{value!r} is not a Kubernetes quantity (for example 2, 500m, 8Gi)")
+    quantity.parse(value)  # the Kubernetes client's parser; the pattern above is the CRD's schema
     return value
 
 

@@ -7,11 +7,11 @@ config is passed in, already read by the caller.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from rljob_operator import api
 from rljob_operator import estimator as est
+from rljob_operator import quantity as quantity_mod
 
 # CPU jobs (kind cpu) have no accelerator: plan them on a nominal "device" so the KV arithmetic
 # still explains the engine settings. Memory is the pod's memory; bandwidth and peak are those of
@@ -21,30 +21,10 @@ CPU_BANDWIDTH_BYTES_PER_S = 20e9
 CPU_FLOPS_PER_S = 0.5e12
 CPU_DEFAULT_MEMORY_BYTES = 2 * 1024**3
 
-_QUANTITY = re.compile(r"^([0-9.]+)([a-zA-Z]*)$")
-_SUFFIX_BYTES = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-}
-
 
 def quantity_bytes(quantity: int | str) -> int:
     """A Kubernetes memory quantity (8Gi, 500M, 1073741824) in bytes."""
-    if isinstance(quantity, int):
-        return quantity
-    match = _QUANTITY.match(quantity.strip())
-    if match is None or match.group(2) not in _SUFFIX_BYTES:
-        raise ValueError(f"{quantity!r} is not a memory quantity such as 8Gi or 512Mi")
-    return int(float(match.group(1)) * _SUFFIX_BYTES[match.group(2)])
+    return quantity_mod.to_bytes(quantity)
 
 
 def _devices(spec: api.RLJobSpec) -> tuple[str, tuple[est.DeviceSpec, ...]]:

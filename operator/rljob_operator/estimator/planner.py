@@ -18,6 +18,7 @@ Pure: no clock, environment, randomness or API access. Every choice appends a re
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -138,6 +139,133 @@ def _model(request: PlanRequest) -> geometry.ModelGeometry:
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How the accelerators divide between the trainer and dedicated TP-sized engines, and why."""
+
+    trainer_accelerators: int
+    dedicated_engines: int
+    colocated: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepTimes:
+    """The throughput model of one job: generation and training seconds per step."""
+
+    model: geometry.ModelGeometry
+    device: devices.DeviceSpec
+    workload: throughput.Workload
+    request: PlanRequest
+    tensor_parallel: int
+    max_num_seqs: int
+
+    def generation_s(self, engines: int) -> float:
+        return throughput.generation_time_s(
+            self.model,
+            self.device,
+            self.workload,
+            engines=engines,
+            tensor_parallel=self.tensor_parallel,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_dtype=self.request.kv_cache_dtype,
+            mfu=self.request.mfu,
+            bandwidth_efficiency=self.request.bandwidth_efficiency,
+        )
+
+    def training_s(self, accelerators: int) -> float:
+        return throughput.training_time_s(
+            self.model,
+            self.device,
+            self.workload,
+            accelerators=accelerators,
+            lora=self.request.lora,
+            mfu=self.request.mfu,
+        )
+
+
+def split_from_request(request: PlanRequest, tp: int, n_min: int, trainer_reason: str) -> Split:
+    """static mode: the spec's own split, checked against the total, TP and the trainer's minimum."""
+    total = request.total_accelerators
+    n_trainer, n_rollout = request.trainer_accelerators or 0, request.rollout_accelerators or 0
+    if n_trainer + n_rollout > total:
+        raise errors.InvalidPlanRequestError(
+            "rollout_accelerators",
+            f"trainer {n_trainer} + rollout {n_rollout} exceed total_accelerators {total}",
+        )
+    if n_rollout % tp:
+        raise errors.InvalidPlanRequestError(
+            "rollout_accelerators", f"{n_rollout} is not a multiple of tensor_parallel {tp}"
+        )
+    if n_trainer < n_min:
+        raise errors.ModelDoesNotFitError(
+            "trainer_accelerators", f"{n_trainer} < the {n_min} the trainer needs ({trainer_reason})"
+        )
+    return Split(
+        n_trainer,
+        n_rollout // tp,
+        False,
+        f"split from the request: {n_trainer} trainer, {n_rollout} rollout accelerators",
+    )
+
+
+def split_colocated(total: int, n_min: int, tp: int) -> Split:
+    """Too few accelerators for both sides: the engine sleeps on the trainer's during the update."""
+    return Split(
+        total,
+        0,
+        True,
+        f"{total} accelerator(s) cannot hold a {n_min}-accelerator trainer and a TP-{tp} engine "
+        "side by side: colocating, engines sleep during the update",
+    )
+
+
+def split_by_step_time(times: _StepTimes, total: int, n_min: int, tp: int) -> Split:
+    """estimate mode: the trainer size minimising max(generation, training) per step.
+
+    Ties go to the split leaving fewer accelerators idle, then to the smaller trainer.
+    """
+    best: tuple[float, int, int] | None = None
+    for n in range(n_min, total - tp + 1):
+        engines = (total - n) // tp
+        step = max(times.generation_s(engines), times.training_s(n))
+        key = (round(step, 9), total - n - engines * tp, n)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        raise errors.ModelDoesNotFitError("total_accelerators", "no feasible split")
+    n_trainer = best[2]
+    dedicated = (total - n_trainer) // tp
+    return Split(
+        n_trainer,
+        dedicated,
+        False,
+        f"split: {n_trainer} trainer + {dedicated} engine(s) x TP {tp} minimises max(generation "
+        f"{times.generation_s(dedicated):.1f} s, training {times.training_s(n_trainer):.1f} s) per step "
+        f"(searched trainer sizes {n_min}..{total - tp})",
+    )
+
+
+def adaptive_reserve(times: _StepTimes, n_trainer: int, dedicated: int, shared: int) -> tuple[int, str]:
+    """adaptive mode: how many dedicated engines to start with, and why.
+
+    Sleeping engines add capacity only while the trainer waits, so free a dedicated engine only
+    while generation without any woken engine stays within ADAPTIVE_SLACK of the estimate's step:
+    the freed accelerators are the scale-up reserve.
+    """
+    budget_s = ADAPTIVE_SLACK * max(times.generation_s(dedicated), times.training_s(n_trainer))
+    keep = dedicated
+    while keep > max(1, dedicated - shared) and times.generation_s(keep - 1) <= budget_s:
+        keep -= 1
+    return keep, (
+        f"adaptive: {shared} engine(s) start asleep on the trainer accelerators and wake when the "
+        f"trainer waits for data; dedicated engines {dedicated} -> {keep} (fewest whose generation "
+        f"{times.generation_s(keep):.1f} s stays within {ADAPTIVE_SLACK}x the estimate step "
+        f"{budget_s / ADAPTIVE_SLACK:.1f} s "
+        "with no engine woken); freed accelerators stay idle for extra engines under pressure"
+    )
+
+
 def plan_resources(request: PlanRequest) -> ResourcePlan:
     """Plan trainer and rollout accelerators and the vLLM engine settings for one RLJob."""
     model = _model(request)
@@ -199,24 +327,8 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         mean_completion_tokens=request.mean_completion_tokens or max(1, request.max_completion_tokens // 2),
     )
 
-    def gen_s(engines: int) -> float:
-        return throughput.generation_time_s(
-            model,
-            device,
-            workload,
-            engines=engines,
-            tensor_parallel=tp,
-            max_num_seqs=engine.max_num_seqs,
-            kv_cache_dtype=request.kv_cache_dtype,
-            mfu=request.mfu,
-            bandwidth_efficiency=request.bandwidth_efficiency,
-        )
-
-    def train_s(accelerators: int) -> float:
-        return throughput.training_time_s(
-            model, device, workload, accelerators=accelerators, lora=request.lora, mfu=request.mfu
-        )
-
+    times = _StepTimes(model, device, workload, request, tp, engine.max_num_seqs)
+    gen_s, train_s = times.generation_s, times.training_s
     adaptive = request.mode == "adaptive"
     min_trainer, trainer_reason = trainer.min_trainer_accelerators(
         model,
@@ -230,77 +342,26 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
     )
     reasons.append(trainer_reason)
     n_min = min_trainer.accelerators
-    shared = 0
-    colocated = False
     if request.trainer_accelerators is not None and request.rollout_accelerators is not None:
-        n_trainer, n_rollout = request.trainer_accelerators, request.rollout_accelerators
-        if n_trainer + n_rollout > total:
-            raise errors.InvalidPlanRequestError(
-                "rollout_accelerators",
-                f"trainer {n_trainer} + rollout {n_rollout} exceed total_accelerators {total}",
-            )
-        if n_rollout % tp:
-            raise errors.InvalidPlanRequestError(
-                "rollout_accelerators",
-                f"{n_rollout} is not a multiple of tensor_parallel {tp}",
-            )
-        if n_trainer < n_min:
-            raise errors.ModelDoesNotFitError(
-                "trainer_accelerators",
-                f"{n_trainer} < the {n_min} the trainer needs ({trainer_reason})",
-            )
-        dedicated = n_rollout // tp
-        reasons.append(f"split from the request: {n_trainer} trainer, {n_rollout} rollout accelerators")
+        split = split_from_request(request, tp, n_min, trainer_reason)
     elif total < n_min + tp:
-        # Not enough for both sides: colocate (the engine sleeps while the trainer updates).
-        n_trainer, dedicated, colocated = total, 0, True
-        reasons.append(
-            f"{total} accelerator(s) cannot hold a {n_min}-accelerator trainer and a TP-{tp} engine "
-            "side by side: "
-            "colocating, engines sleep during the update"
-        )
+        split = split_colocated(total, n_min, tp)
     else:
-        best: tuple[float, int, int] | None = None
-        for n in range(n_min, total - tp + 1):
-            engines = (total - n) // tp
-            step = max(gen_s(engines), train_s(n))
-            key = (round(step, 9), total - n - engines * tp, n)
-            if best is None or key < best:
-                best = key
-        if best is None:
-            raise errors.ModelDoesNotFitError("total_accelerators", "no feasible split")
-        n_trainer = best[2]
-        dedicated = (total - n_trainer) // tp
-        reasons.append(
-            f"split: {n_trainer} trainer + {dedicated} engine(s) x TP {tp} minimises max(generation "
-            f"{gen_s(dedicated):.1f} s, training {train_s(n_trainer):.1f} s) per step "
-            f"(searched trainer sizes {n_min}..{total - tp})"
-        )
+        split = split_by_step_time(times, total, n_min, tp)
+    reasons.append(split.reason)
+    n_trainer, dedicated, colocated = split.trainer_accelerators, split.dedicated_engines, split.colocated
     if dedicated == 0 and not colocated:
         colocated = True  # static split without rollout accelerators: the engine lives on the trainer
         reasons.append(
             "no rollout accelerators: the engine is colocated on the trainer and sleeps during updates"
         )
-    if adaptive or colocated:
-        shared = n_trainer // tp
-        if adaptive and not colocated and request.rollout_accelerators is None and shared and dedicated > 1:
-            # Sleeping engines add capacity only while the trainer waits, so free a dedicated engine
-            # only while generation without any woken engine stays within ADAPTIVE_SLACK of the
-            # estimate's step: the freed accelerators are the scale-up reserve.
-            budget_s = ADAPTIVE_SLACK * max(gen_s(dedicated), train_s(n_trainer))
-            keep = dedicated
-            while keep > max(1, dedicated - shared) and gen_s(keep - 1) <= budget_s:
-                keep -= 1
-            reasons.append(
-                f"adaptive: {shared} engine(s) start asleep on the trainer accelerators and wake when the "
-                f"trainer waits for data; dedicated engines {dedicated} -> {keep} (fewest whose generation "
-                f"{gen_s(keep):.1f} s stays within {ADAPTIVE_SLACK}x the estimate step "
-                f"{budget_s / ADAPTIVE_SLACK:.1f} s "
-                "with no engine woken); freed accelerators stay idle for extra engines under pressure"
-            )
-            dedicated = keep
-        elif adaptive:
-            reasons.append(f"adaptive: {shared} engine(s) start asleep on the trainer accelerators")
+    shared = n_trainer // tp if adaptive or colocated else 0
+    if adaptive and not colocated and request.rollout_accelerators is None and shared and dedicated > 1:
+        keep, reason = adaptive_reserve(times, n_trainer, dedicated, shared)
+        reasons.append(reason)
+        dedicated = keep
+    elif adaptive:
+        reasons.append(f"adaptive: {shared} engine(s) start asleep on the trainer accelerators")
     n_rollout = dedicated * tp
     idle = total - n_trainer - n_rollout
     if idle:
