@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterable, Iterator
@@ -52,6 +53,7 @@ NAMESPACED_RULES: Rules = {
     (RBAC_GROUP, "roles"): {"create"},
     (RBAC_GROUP, "rolebindings"): {"create"},
     ("", "events"): {"create"},
+    ("", "persistentvolumeclaims"): {"get"},
 }
 CLUSTER_RULES: Rules = {
     ("", "nodes"): {"list", "watch"},
@@ -494,3 +496,69 @@ def run_operator_as_service_account(
         if any(m in record for m in markers) and "because it is being terminated" not in record
     ]
     assert suspicious == [], "\n".join(suspicious)
+
+
+@pytest.mark.cluster
+def test_uninstall_then_delete_everything_does_not_hang(cluster: Any, tmp_path: Path) -> None:
+    """helm install, create jobs, helm uninstall as helm/README.md says, then delete the RLJobs and
+    the CRD: both finish in under 60 s, because no RLJob carries a finalizer an operator must remove."""
+    release = f"rljob-{uuid.uuid4().hex[:6]}"
+    system_ns = cluster.create_namespace(f"{release}-system")
+    job_ns = cluster.create_namespace(f"{release}-jobs")
+    nodes = cluster.add_nodes(1, name_prefix=f"{release}-cpu", resource=None, labels={"rljob.io/pool": "cpu"})
+    try:
+        helm_ok(cluster, "install", release, str(CHART), "--namespace", system_ns)
+        cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+        deployment = json.loads(
+            cluster.kubectl("get", f"deployment/{release}", "-n", system_ns, "-o", "json").stdout
+        )
+        ctr = deployment["spec"]["template"]["spec"]["containers"][0]
+        token = cluster.kubectl("create", "token", release, "-n", system_ns, "--duration=1h").stdout.strip()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "RLJOB_"))}
+        env.update(env_of(ctr))
+        env.update(
+            KUBECONFIG=str(cluster.token_kubeconfig(token, f"{release}-operator")),
+            RLJOB_METRICS_PORT=str(free_port()),
+            RLJOB_RECONCILE_INTERVAL_S="1",
+        )
+        args = [a for a in ctr["args"] if not a.startswith("--liveness=")]
+        argv = [str(Path(sys.executable).parent / "rljob"), *args]
+        with operator_process(argv, env, tmp_path / "operator.log"):
+            for name in ("one", "two"):
+                doc = yaml.safe_load(EXAMPLE.read_text())
+                doc["metadata"]["name"] = name
+                cluster.kubectl("apply", "-n", job_ns, "-f", "-", input=yaml.safe_dump(doc))
+            for name in ("one", "two"):
+
+                def phase(n: str = name) -> str:
+                    return str(
+                        cluster.kubectl(
+                            "get", f"rljob/{n}", "-n", job_ns, "-o", "jsonpath={.status.phase}"
+                        ).stdout
+                    )
+
+                wait_for(f"{name} reconciled", phase, 60)
+            time.sleep(3)  # several resyncs: nothing adds a finalizer later either
+            finalizers = cluster.kubectl(
+                "get", "rljobs", "-n", job_ns, "-o", "jsonpath={.items[*].metadata.finalizers}"
+            ).stdout.strip()
+            assert finalizers == "", finalizers
+        # The operator is gone, as after the Deployment's deletion.
+        helm_ok(cluster, "uninstall", release, "--namespace", system_ns, "--wait")
+        started = time.monotonic()
+        cluster.kubectl("delete", "rljobs", "--all", "-n", job_ns, "--timeout=60s")
+        cluster.kubectl("delete", "crd", "rljobs.rljob.io", "--timeout=60s")
+        assert time.monotonic() - started < 60
+        assert not exists(cluster, "crd/rljobs.rljob.io")
+    finally:
+        cluster.helm("uninstall", release, "--namespace", system_ns, check=False)
+        cluster.delete_nodes(nodes)
+        for ns in (system_ns, job_ns):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        # Later tests in this session expect the CRD: put it back.
+        cluster.kubectl(
+            "apply", "--server-side", "-f", str(REPO / "crds" / "rljobs.rljob.io.yaml"), check=False
+        )
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s", check=False
+        )
