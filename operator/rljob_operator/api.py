@@ -84,6 +84,8 @@ DEFAULT_RESOURCE_NAMES: dict[str, str | None] = {
     "cpu": None,
 }
 
+# Ids of the trainer's built-in character tokenizers (rljob_trainer.modeling.CHARSETS + 3 specials).
+TINY_TOKENIZER_VOCAB: dict[str, int] = {"builtin-char": 99, "builtin-digits": 19}
 DEFAULT_TRAINER_IMAGE = "ghcr.io/rljob/rljob-trainer:0.1.0"
 
 # --------------------------------------------------------------------------------------------
@@ -373,6 +375,21 @@ class ModelSpec(_Spec):
     )
     dtype: Dtype = Field("bfloat16", description="Weight and compute precision of training and rollout.")
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec, description="LoRA or full fine-tuning.")
+
+    @model_validator(mode="after")
+    def _tiny_vocab_holds_its_tokenizer(self) -> ModelSpec:
+        # The trainer's tiny model embeds the built-in tokenizer's ids: a smaller vocab_size makes
+        # its first forward pass fail in the pod. Not CEL: the inline config has no schema.
+        tiny, inline = self.source.tiny, self.config.inline
+        if tiny is None or inline is None or not isinstance(inline.get("vocab_size"), int):
+            return self
+        needed = TINY_TOKENIZER_VOCAB[tiny.tokenizer]
+        if inline["vocab_size"] < needed:
+            raise ValueError(
+                f"spec.model.config.inline.vocab_size is {inline['vocab_size']}, but the {tiny.tokenizer} "
+                f"tokenizer has {needed} ids: raise vocab_size to at least {needed}"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------

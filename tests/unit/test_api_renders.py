@@ -210,3 +210,17 @@ def test_every_loss_normalization_the_api_names_has_a_trainer_loss() -> None:
     assert set(configmaps._LOSS_AGG.values()) <= set(
         get_args(tc.GRPOSettings.model_fields["loss_agg"].annotation)
     )
+
+
+def test_tiny_vocab_must_hold_the_builtin_tokenizer() -> None:
+    modeling = pytest.importorskip("rljob_trainer.modeling")
+    for name, size in api.TINY_TOKENIZER_VOCAB.items():
+        assert size == len(modeling.build_char_tokenizer(modeling.CHARSETS[name])), name
+    raw = {
+        "name": "m",
+        "source": {"tiny": {"tokenizer": "builtin-char"}},
+        "config": {"inline": {**TINY_CONFIG, "vocab_size": 50}},
+    }
+    with pytest.raises(pydantic.ValidationError, match="at least 99"):
+        api.ModelSpec.model_validate(raw)
+    api.ModelSpec.model_validate({**raw, "source": {"tiny": {"tokenizer": "builtin-digits"}}})
