@@ -51,8 +51,7 @@ METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
 # A terminating pod still holds its name; check again soon rather than at the next resync.
 WAIT_FOR_TERMINATION_S = 1.0
-RETRY_SEMANTIC_ERROR_S = 30.0  # a retryable error (a ConfigMap or nodes that may appear)
-RETRY_INTERNAL_ERROR_S = 10.0
+RETRY_INTERNAL_ERROR_S = 5.0
 RESYNC_TICK_S = 0.25  # how often the resync loop looks for due jobs
 RESYNC_CONCURRENCY = 16
 
@@ -201,7 +200,12 @@ async def _handle(cause: str, kwargs: dict[str, Any]) -> None:
     args = _handler_kwargs(kwargs)
     delay = await _reconcile(cause=cause, **args)
     key = names.job_key(args["namespace"], args["name"])
-    args["state"].due[key] = time.monotonic() + (RECONCILE_INTERVAL_S if delay is None else delay)
+    args["state"].due[key] = time.monotonic() + _next_s(delay)
+
+
+def _next_s(delay_s: float | None) -> float:
+    """When to resync after a reconcile that asked for `delay_s` (a retry only ever comes sooner)."""
+    return RECONCILE_INTERVAL_S if delay_s is None else min(delay_s, RECONCILE_INTERVAL_S)
 
 
 @kopf.on.create(*RLJOBS)
@@ -266,7 +270,7 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
             delay = RECONCILE_INTERVAL_S
         finally:
             running.pop(key, None)
-        state.due[key] = time.monotonic() + (RECONCILE_INTERVAL_S if delay is None else delay)
+        state.due[key] = time.monotonic() + _next_s(delay)
 
     while True:
         now = time.monotonic()
@@ -378,8 +382,8 @@ async def _run_steps(ctx: _Ctx) -> status.Observed:
         try:
             seen, stop = await step(ctx, seen)
         except (errors.RLJobError, pydantic.ValidationError) as exc:
-            if not isinstance(exc, errors.RLJobError) or exc.retryable:
-                ctx.retry(RETRY_SEMANTIC_ERROR_S, str(exc))
+            # Retryable ones (a ConfigMap, a claim or nodes that may appear) wait for the next
+            # resync; the others for a new generation of the spec.
             return dataclasses.replace(seen, error=exc)
         except Exception as exc:
             ctx.logger.exception(f"reconcile step {step.__name__} failed")
@@ -459,7 +463,7 @@ async def _step_suspend(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Succeeded, failed, disrupted? The pure `reconcile.decide_restart` says; this step obeys."""
     spec = _spec_of(seen)
-    assert_layout = seen.layout
+    layout = seen.layout
     nodes = {n.name for n in ctx.nodes_index.get("nodes", [])}
     decision = reconcile.decide_restart(
         ctx.pods,
@@ -468,7 +472,7 @@ async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
         disruptions=ctx.old.disruptions or 0,
         last_failure=ctx.old.last_failure,
         policy=spec.restart_policy,
-        trainer_pods=assert_layout.trainer_pods if assert_layout else 0,
+        trainer_pods=layout.trainer_pods if layout else 0,
         node_names=frozenset(nodes),
     )
     if decision.action == "run":

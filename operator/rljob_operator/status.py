@@ -297,8 +297,8 @@ def compute_status(
     elif observed.restart_wait_s is not None:
         restarting = find(conds, RESTARTING)
         new.phase = "Pending"
-        wait = f"{observed.restart_wait_s:.0f}s of backoff left"
-        put(READY, False, "BackoffAfterPodFailure", f"{restarting.message if restarting else ''} ({wait})")
+        # No seconds-left in the message: it would change, and be written, on every reconcile.
+        put(READY, False, "BackoffAfterPodFailure", restarting.message if restarting else "")
     else:
         new.start_time = new.start_time or now
         all_running = desired > 0 and running >= desired and not observed.waiting
