@@ -442,14 +442,17 @@ def check_claims(
     ReadWriteMany (ReadOnlyMany is enough for a read-only mount); ReadWriteOnce would leave all
     but the first node's pods stuck in ContainerCreating with a Multi-Attach error.
     """
+    missing = [u for u in uses if claims.get(u.claim) is None]
+    if missing:
+        listed = ", ".join(f"{u.claim!r} ({u.field})" for u in missing)
+        raise errors.ClaimNotFoundError(
+            missing[0].field,
+            f"PersistentVolumeClaim {listed} not found in namespace {namespace!r}: create "
+            f"{'it' if len(missing) == 1 else 'them'} or fix the name (the pods would stay Pending until "
+            "then)",
+        )
     for use in uses:
-        pvc = claims.get(use.claim)
-        if pvc is None:
-            raise errors.ClaimNotFoundError(
-                use.field,
-                f"PersistentVolumeClaim {use.claim!r} not found in namespace {namespace!r}: create it "
-                "or fix the name (the pods would stay Pending until it exists)",
-            )
+        pvc = claims.get(use.claim) or {}
         if use.pods <= 1:
             continue
         modes = set((pvc.get("spec") or {}).get("accessModes") or [])

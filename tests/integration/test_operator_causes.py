@@ -283,7 +283,11 @@ def test_missing_and_unshareable_claims_are_reported_before_pods(
     with operator(namespace):
         apply(cluster, namespace, rljob("vol", pool_name, resources=TWO_NODES, checkpoint=checkpoint))
         st = until_reason(cluster, namespace, "vol", "Ready", "ClaimNotFound")
-        assert "'ckpt' not found" in condition(st, "Ready")["message"] and st["phase"] == "Pending"
+        assert (
+            "'ckpt'" in condition(st, "Ready")["message"]
+            and "not found" in condition(st, "Ready")["message"]
+            and st["phase"] == "Pending"
+        )
         assert not pods(cluster, namespace, "vol")
         cluster.kubectl(
             "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(_pvc("ckpt", "ReadWriteOnce"))

@@ -167,7 +167,7 @@ STOP_GRACE_CAP_S = 10.0
 START_RETRY_S = 60.0
 # What a kubelet does before it starts a container, and how it reports a pod it cannot start.
 UNPULLABLE_HOST_SUFFIX = ".invalid"  # RFC 6761: never resolves, so a real pull fails the same way
-IMAGE_PULL_BACKOFF_AFTER_S = 2.0
+IMAGE_PULL_BACKOFF_AFTER_S = 4.0  # the first pull fails, then the kubelet backs off
 BLOCKED_RECHECK_S = 2.0
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 FALLBACK_LOG_LINES = 80  # FallbackToLogsOnError: the kubelet keeps the log's last 80 lines / 2048 bytes
