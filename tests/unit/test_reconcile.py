@@ -195,7 +195,7 @@ def test_observe_pod_reads_pod_level_causes() -> None:
 
 def test_check_claims_names_the_claim_and_the_fix() -> None:
     uses = [reconcile.ClaimUse("spec.checkpoint.volume.claimName", "ckpt", 2, False)]
-    with pytest.raises(errors.ClaimNotFoundError, match="'ckpt' .*not found"):
+    with pytest.raises(errors.ClaimNotFoundError, match=r"'ckpt' .*not found"):
         reconcile.check_claims(uses, {"ckpt": None}, "ns")
     rwo = {"spec": {"accessModes": ["ReadWriteOnce"]}}
     with pytest.raises(errors.ClaimAccessModeError, match="ReadWriteMany"):
