@@ -305,3 +305,50 @@ def test_missing_and_unshareable_claims_are_reported_before_pods(
         # The claim is unbound (no provisioner here): the scheduler says so, and so does the RLJob.
         st = until_reason(cluster, namespace, "vol", "Ready", "Unschedulable", 45)
         assert "PersistentVolumeClaim" in condition(st, "Ready")["message"]
+
+
+# ---- every shipped example ----------------------------------------------------------------------
+def test_every_example_shows_a_phase_and_its_cause_within_30s(
+    cluster: Any, crd: None, namespace: str, kubeconfig_env: None
+) -> None:
+    """The local demo's fleet (2 x 8 H100 and 1 x 8 Ascend 910B, tainted; a CPU node): each example
+    gets a phase and a condition naming its real cause, never a bare "0/N pods running"."""
+    from testenv.__main__ import DEFAULT_POOLS
+
+    added: list[str] = []
+    for spec in DEFAULT_POOLS:
+        pool_spec = {k: v for k, v in spec.items() if k not in ("count", "name_prefix", "exec_local")}
+        prefix = f"{spec['name_prefix']}-{namespace[-6:]}"
+        added += cluster.add_nodes(spec["count"], name_prefix=prefix, **pool_spec)
+    seen: dict[str, dict[str, Any]] = {}
+    try:
+        with operator(namespace) as runner:
+            for path in sorted(base.REPO.glob("examples/*.yaml")):
+                cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+            names_ = [d["metadata"]["name"] for p in sorted(base.REPO.glob("examples/*.yaml"))
+                      for d in yaml.safe_load_all(p.read_text()) if d]  # fmt: skip
+
+            def explained() -> bool:
+                for name in names_:
+                    st = job_status(cluster, namespace, name)
+                    ready, planned = condition(st, "Ready"), condition(st, "Planned")
+                    told = ready.get("status") == "True" or any(
+                        c.get("status") == "False" and c.get("reason") not in (None, "PodsPending")
+                        for c in (ready, planned)
+                    )
+                    if not (st.get("phase") and told):
+                        return False
+                    seen[name] = st
+                return True
+
+            wait_for("every example explained", explained, 30)
+        assert runner.exception is None
+    finally:
+        cluster.delete_nodes(added)
+    tiny = seen["tiny-cpu"]
+    assert tiny["phase"] == "Running" and condition(tiny, "Ready")["reason"] == "AllPodsRunning"
+    ascend = seen["qwen3-8b-ascend"]
+    assert (
+        condition(ascend, "Ready")["reason"] == "ClaimNotFound"
+        and "'models'" in condition(ascend, "Ready")["message"]
+    )
