@@ -78,6 +78,8 @@ class State:
     events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     phases: dict[str, str] = dataclasses.field(default_factory=dict)
     due: dict[str, float] = dataclasses.field(default_factory=dict)  # next resync, monotonic s
+    # job key -> pod name -> (attempt, why): pods seen disrupted (see rljob_pods)
+    disrupted: dict[str, dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
 
     def forget(self, key: str) -> None:
@@ -86,6 +88,7 @@ class State:
         self.locks.pop(key, None)
         self.phases.pop(key, None)
         self.due.pop(key, None)
+        self.disrupted.pop(key, None)
         metrics.set_phase_counts(self.phases)
 
 
@@ -155,10 +158,19 @@ async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index("pods", labels={names.LABEL_JOB: kopf.PRESENT, names.LABEL_MANAGED_BY: names.MANAGED_BY})
-def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> Any:
-    """Pods of every job, by (namespace, job): the reconcile's view of its pods (no LIST calls)."""
+def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Any:
+    """Pods of every job, by (namespace, job): the reconcile's view of its pods (no LIST calls).
+
+    A pod seen with a DisruptionTarget is remembered: an eviction deletes it right after, and the
+    reconcile must still know it was a disruption, not a failure or a pod to recreate alone."""
     obs = reconcile.observe_pod(body)
-    return {(namespace, labels[names.LABEL_JOB]): obs} if obs is not None else None
+    if obs is None:
+        return None
+    state = memo.get("rljob")
+    if obs.disruption and isinstance(state, State):
+        key = names.job_key(namespace, labels[names.LABEL_JOB])
+        state.disrupted.setdefault(key, {})[obs.name] = (obs.attempt, obs.disruption)
+    return {(namespace, labels[names.LABEL_JOB]): obs}
 
 
 @kopf.index("configmaps", labels={names.LABEL_ROLE: names.ROLE_TELEMETRY})
@@ -474,6 +486,7 @@ async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
         policy=spec.restart_policy,
         trainer_pods=layout.trainer_pods if layout else 0,
         node_names=frozenset(nodes),
+        disrupted=_disrupted_pods(ctx),
     )
     if decision.action == "run":
         return seen, False
@@ -489,6 +502,14 @@ async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
     metrics.RESTARTS.inc()
     ctx.retry(WAIT_FOR_TERMINATION_S, f"restart {decision.attempt}: {decision.cause}")
     return seen, True
+
+
+def _disrupted_pods(ctx: _Ctx) -> dict[str, str]:
+    """Pods of the current attempt seen disrupted (older attempts' entries are dropped)."""
+    seen = ctx.state.disrupted.get(ctx.key, {})
+    for name in [n for n, (attempt, _) in seen.items() if attempt != ctx.attempt]:
+        del seen[name]
+    return {name: why for name, (_, why) in seen.items()}
 
 
 async def _step_backoff(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:

@@ -201,6 +201,7 @@ def decide_restart(
     policy: api.RestartPolicySpec,
     trainer_pods: int,
     node_names: frozenset[str] | None = None,
+    disrupted: Mapping[str, str] | None = None,
 ) -> RestartDecision:
     """Succeeded, failed, disrupted or still running: the decision for the current attempt.
 
@@ -208,7 +209,8 @@ def decide_restart(
     `DisruptionTarget` condition or evicted by its kubelet, a pod whose node is gone, or a trainer
     pod that vanished while the others still run) restarts the whole gang at once and does not count
     against `backoffLimit`, like Job's `podFailurePolicy` Ignore rule: the Ray cluster and the
-    torch.distributed group cannot take a replaced member. A failure counts; the same termination
+    torch.distributed group cannot take a replaced member. `disrupted` names pods of this attempt
+    once seen with a DisruptionTarget (they may be gone by now). A failure counts; the same termination
     message twice in a row is deterministic and ends the job instead of burning the backoff.
     """
     current = [p for p in pods if p.attempt == attempt]
@@ -219,7 +221,13 @@ def decide_restart(
                 "succeeded", reason="TrainingSucceeded", cause="trainer pod 0 exited 0", **same
             )
     order = sorted(current, key=lambda p: (p.role != names.ROLE_TRAINER, p.index))
-    lost = [(p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))]
+    lost: list[tuple[PodObservation | None, str]] = [
+        (p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))
+    ]
+    present = {p.name for p in current}
+    # Pods seen with a DisruptionTarget that are gone now (an eviction deletes its pod at once).
+    lost += [(None, f"pod {name} was disrupted ({why})") for name, why in sorted((disrupted or {}).items())
+             if name not in present]  # fmt: skip
     live_trainers = {p.index for p in current if p.role == names.ROLE_TRAINER and not p.deleting}
     if not lost and any(
         p.role == names.ROLE_TRAINER and p.phase == "Running" and not p.deleting for p in current

@@ -117,6 +117,12 @@ def test_disruptions_restart_the_gang_without_counting() -> None:
     # a trainer pod that vanished while trainer 0 runs: never recreated alone into its Ray cluster
     lost = decide([obs("demo-trainer-0", "Running")])
     assert lost.action == "restart" and lost.disruption and "trainer pod 1" in lost.cause
+    # an evicted pod deleted at once: remembered as disrupted, so not "disappeared", not a failure
+    gone_evicted = decide(
+        [obs("demo-trainer-0", "Running")], disrupted={"demo-trainer-1": "EvictionByEvictionAPI"}
+    )
+    assert gone_evicted.disruption and "EvictionByEvictionAPI" in gone_evicted.cause
+    assert "demo-trainer-1" in gone_evicted.cause
     # ... but a gang being created (nothing running yet) is not a loss
     assert decide([obs("demo-trainer-0", "Pending")]).action == "run"
     # a disruption outranks the failures it causes (the Ray workers die with their head)
