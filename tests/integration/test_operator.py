@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,54 +53,7 @@ TINY_CONFIG = {
 }
 
 
-# ---- fixtures and helpers ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def crd(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
-
-
-@pytest.fixture
-def kubeconfig_env(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
-
-
-@pytest.fixture
-def pool(cluster: Any) -> Callable[..., str]:
-    """Add fake GPU nodes labelled with a fresh pool name; returns the label value."""
-    added: list[str] = []
-
-    def make(count: int, per_node: int = 8, resource: str = "nvidia.com/gpu") -> str:
-        name = f"p{uuid.uuid4().hex[:6]}"
-        added.extend(
-            cluster.add_nodes(
-                count, name_prefix=name, resource=resource, per_node=per_node, labels={"pool": name}
-            )
-        )
-        return name
-
-    yield make
-    cluster.delete_nodes(added)
-
-
-@pytest.fixture
-def operator_identity(cluster: Any, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run the operator as a ServiceAccount bound to the operator ClusterRole (builders.rbac), not admin."""
-    from rljob_operator.builders import rbac
-
-    name = f"rljob-operator-{namespace}"[:63]
-    cluster.kubectl("create", "serviceaccount", "rljob-operator", "-n", namespace)
-    role = rbac.build_operator_cluster_role(name)
-    binding = rbac.build_operator_cluster_role_binding(name, "rljob-operator", namespace, role=name)
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([role, binding]))
-    token = cluster.kubectl(
-        "create", "token", "rljob-operator", "-n", namespace, "--duration=1h"
-    ).stdout.strip()
-    monkeypatch.setenv("KUBECONFIG", str(cluster.token_kubeconfig(token, name)))
-    yield name
-    cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
-
-
+# ---- helpers (fixtures: tests/integration/conftest.py) -------------------------------------------
 @contextmanager
 def operator(namespace: str) -> Iterator[KopfRunner]:
     args = ["run", "--standalone", "--namespace", namespace, "-m", HANDLERS_MODULE]

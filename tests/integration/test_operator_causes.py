@@ -22,11 +22,6 @@ from testenv.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
-# The operator tests' fixtures (registered here under their own names: crd, pool, kubeconfig_env).
-_crd_fixture = base.crd
-_pool_fixture = base.pool
-_kubeconfig_fixture = base.kubeconfig_env
-
 ONE_NODE = {
     "accelerator": {"kind": "nvidia", "model": "H100-80GB"},
     "totalAccelerators": 8,
