@@ -37,7 +37,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 import kopf
 import pydantic
@@ -120,7 +120,7 @@ async def rljob_startup(
     # is optional), so none is added: deleting an RLJob, or the CRD after `helm uninstall`, never
     # waits for an operator that is gone. kopf removes the finalizer older versions added.
     settings.persistence.finalizer = names.FINALIZER
-    # Our own Events are explicit (kopf.event); log lines become Events only from WARNING up.
+    # Our own Events are explicit (builders.build_event); kopf's log lines become Events from WARNING up.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = names.MANAGED_BY
     settings.networking.request_timeout = 60
@@ -338,7 +338,10 @@ async def _reconcile(
                 now=datetime.now(timezone.utc).replace(microsecond=0),
             )
             observed = await _run_steps(ctx)
-            await _write_status(ctx, observed)
+            try:
+                await _write_status(ctx, observed)
+            finally:
+                await _post_events(ctx)
             if ctx.retry_s is not None:
                 logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
             return ctx.retry_s
@@ -367,6 +370,7 @@ class _Ctx:
     config_hash: str = ""
     retry_s: float | None = None
     retry_why: str = ""
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def retry(self, delay_s: float, why: str) -> None:
         """Ask kopf to run this reconcile again after `delay_s` (the soonest request wins)."""
@@ -762,14 +766,25 @@ async def _write_status(ctx: _Ctx, observed: status.Observed) -> None:
         metrics.set_phase_counts(ctx.state.phases)
 
 
-def _post(ctx: _Ctx, type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the RLJob, at most one per (job, reason) every EVENT_MIN_INTERVAL_S."""
+def _post(ctx: _Ctx, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+    """Queue an Event on the RLJob (posted after the status write), at most one per (job, reason)
+    every EVENT_MIN_INTERVAL_S."""
     now_s = time.monotonic()
     mark = (ctx.key, reason)
     if not status.should_post(ctx.state.events.get(mark), now_s, EVENT_MIN_INTERVAL_S):
         return
     ctx.state.events[mark] = now_s
-    kopf.event(ctx.body, type=type_, reason=reason, message=message[:1024])
+    ctx.events.append(builders.build_event(ctx.body, type_, reason, message, ctx.now))
+
+
+async def _post_events(ctx: _Ctx) -> None:
+    """Post the reconcile's Events; a lost Event never fails the reconcile (it is logged)."""
+    for event in ctx.events:
+        try:
+            await ctx.state.kube.create(event)
+        except Exception as exc:
+            ctx.logger.warning(f"could not post Event {event['reason']} on {ctx.key}: {exc}")
+    ctx.events.clear()
 
 
 # ---- entry point ---------------------------------------------------------------------------------

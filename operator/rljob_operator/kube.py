@@ -43,6 +43,7 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Event": self.core.create_namespaced_event,
         }
 
     @classmethod

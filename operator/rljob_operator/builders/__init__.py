@@ -17,6 +17,7 @@ from rljob_operator.builders.configmaps import (
     build_telemetry_config_map,
     render_trainer_config,
 )
+from rljob_operator.builders.events import build_event
 from rljob_operator.builders.objects import JobObjects, build_job_objects
 from rljob_operator.builders.pods import build_pods, build_rollout_pod, build_trainer_pod
 from rljob_operator.builders.rbac import (
@@ -33,6 +34,7 @@ __all__ = [
     "JobObjects",
     "JobRef",
     "build_config_map",
+    "build_event",
     "build_headless_service",
     "build_job_objects",
     "build_operator_cluster_role",
