@@ -80,6 +80,10 @@ class State:
     due: dict[str, float] = dataclasses.field(default_factory=dict)  # next resync, monotonic s
     # job key -> pod name -> (attempt, why): pods seen disrupted (see rljob_pods)
     disrupted: dict[str, dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> attempt: pods seen; and the names the operator deleted itself, so that
+    # a pod of the attempt that is gone can be told from one not created yet or deleted by us.
+    known: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    deleted: dict[str, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
 
     def forget(self, key: str) -> None:
@@ -89,6 +93,8 @@ class State:
         self.phases.pop(key, None)
         self.due.pop(key, None)
         self.disrupted.pop(key, None)
+        self.known.pop(key, None)
+        self.deleted.pop(key, None)
         metrics.set_phase_counts(self.phases)
 
 
@@ -479,7 +485,6 @@ async def _step_suspend(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Succeeded, failed, disrupted? The pure `reconcile.decide_restart` says; this step obeys."""
     spec = _spec_of(seen)
-    layout = seen.layout
     nodes = {n.name for n in ctx.nodes_index.get("nodes", [])}
     decision = reconcile.decide_restart(
         ctx.pods,
@@ -488,9 +493,8 @@ async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
         disruptions=ctx.old.disruptions or 0,
         last_failure=ctx.old.last_failure,
         policy=spec.restart_policy,
-        trainer_pods=layout.trainer_pods if layout else 0,
         node_names=frozenset(nodes),
-        disrupted=_disrupted_pods(ctx),
+        vanished=_vanished_pods(ctx),
     )
     if decision.action == "run":
         return seen, False
@@ -508,12 +512,31 @@ async def _step_outcome(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
     return seen, True
 
 
-def _disrupted_pods(ctx: _Ctx) -> dict[str, str]:
-    """Pods of the current attempt seen disrupted (older attempts' entries are dropped)."""
-    seen = ctx.state.disrupted.get(ctx.key, {})
-    for name in [n for n, (attempt, _) in seen.items() if attempt != ctx.attempt]:
-        del seen[name]
-    return {name: why for name, (_, why) in seen.items()}
+def _vanished_pods(ctx: _Ctx) -> dict[str, str]:
+    """Pods of the current attempt seen before and gone now, not deleted by the operator: why.
+
+    A disrupted pod (any role) is named with its DisruptionTarget; a trainer pod that simply
+    vanished broke its Ray cluster. A rollout pod that vanished is recreated alone by the pod diff.
+    """
+    known = ctx.state.known.setdefault(ctx.key, {})
+    disrupted = ctx.state.disrupted.setdefault(ctx.key, {})
+    ours = ctx.state.deleted.setdefault(ctx.key, set())
+    ours.difference_update({(n, a) for n, a in ours if a != ctx.attempt})
+    for table in (known, disrupted):
+        for name in [n for n, v in table.items() if (v if isinstance(v, int) else v[0]) != ctx.attempt]:
+            del table[name]
+    present = {p.name for p in ctx.pods if p.attempt == ctx.attempt}
+    known.update(dict.fromkeys(present, ctx.attempt))
+    out = {}
+    for name in sorted(set(known) - present - {n for n, _ in ours}):
+        role = names.parse_pod_name(ctx.job.name, name)
+        if name in disrupted:
+            out[name] = f"pod {name} was disrupted ({disrupted[name][1]})"
+        elif role is not None and role[0] == names.ROLE_TRAINER:
+            out[name] = (
+                f"trainer pod {name} disappeared (deleted outside the operator, or lost with its node)"
+            )
+    return out
 
 
 async def _step_backoff(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
@@ -691,7 +714,10 @@ async def _apply_children(ctx: _Ctx, objects: builders.JobObjects) -> None:
 
 async def _delete_pods(ctx: _Ctx, pod_names: Sequence[str], *, why: str) -> None:
     deleted = []
+    ours = ctx.state.deleted.setdefault(ctx.key, set())
+    attempt_of = {p.name: p.attempt for p in ctx.pods}
     for pod_name in pod_names:
+        ours.add((pod_name, attempt_of.get(pod_name, -1)))
         if await ctx.state.kube.delete_pod(ctx.job.namespace, pod_name):
             metrics.PODS_DELETED.labels(why).inc()
             deleted.append(pod_name)

@@ -199,9 +199,8 @@ def decide_restart(
     disruptions: int,
     last_failure: str | None,
     policy: api.RestartPolicySpec,
-    trainer_pods: int,
     node_names: frozenset[str] | None = None,
-    disrupted: Mapping[str, str] | None = None,
+    vanished: Mapping[str, str] | None = None,
 ) -> RestartDecision:
     """Succeeded, failed, disrupted or still running: the decision for the current attempt.
 
@@ -209,8 +208,9 @@ def decide_restart(
     `DisruptionTarget` condition or evicted by its kubelet, a pod whose node is gone, or a trainer
     pod that vanished while the others still run) restarts the whole gang at once and does not count
     against `backoffLimit`, like Job's `podFailurePolicy` Ignore rule: the Ray cluster and the
-    torch.distributed group cannot take a replaced member. `disrupted` names pods of this attempt
-    once seen with a DisruptionTarget (they may be gone by now). A failure counts; the same termination
+    torch.distributed group cannot take a replaced member. `vanished` maps pods of this attempt
+    that are gone (not deleted by the operator) to why: seen with a DisruptionTarget, or a trainer
+    pod lost from its Ray cluster. A failure counts; the same termination
     message twice in a row is deterministic and ends the job instead of burning the backoff.
     """
     current = [p for p in pods if p.attempt == attempt]
@@ -224,17 +224,9 @@ def decide_restart(
     lost: list[tuple[PodObservation | None, str]] = [
         (p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))
     ]
-    present = {p.name for p in current}
-    # Pods seen with a DisruptionTarget that are gone now (an eviction deletes its pod at once).
-    lost += [(None, f"pod {name} was disrupted ({why})") for name, why in sorted((disrupted or {}).items())
-             if name not in present]  # fmt: skip
-    live_trainers = {p.index for p in current if p.role == names.ROLE_TRAINER and not p.deleting}
-    if not lost and any(
-        p.role == names.ROLE_TRAINER and p.phase == "Running" and not p.deleting for p in current
-    ):
-        missing = sorted(set(range(trainer_pods)) - live_trainers)
-        if missing:
-            lost = [(None, f"trainer pod {missing[0]} of attempt {attempt} disappeared")]
+    # Pods of this attempt the operator saw and that are gone without it deleting them (an
+    # eviction deletes its pod at once; `vanished` says why, from what was seen before).
+    lost += [(None, why) for _, why in sorted((vanished or {}).items())]
     if lost:
         pod, why = lost[0]
         who = f"pod {pod.name} was disrupted ({why})" if pod is not None else why

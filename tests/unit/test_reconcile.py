@@ -75,7 +75,7 @@ RP = api.RestartPolicySpec(backoff_limit=3, initial_backoff_seconds=10, max_back
 def decide(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
     args: dict[str, object] = {
         "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None, "policy": RP,
-        "trainer_pods": 2, "node_names": frozenset({"n1"}), **kw,
+        "node_names": frozenset({"n1"}), **kw,
     }  # fmt: skip
     return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
 
@@ -114,17 +114,15 @@ def test_disruptions_restart_the_gang_without_counting() -> None:
     # a pod on a deleted node is lost even before the pod GC deletes it
     gone = dataclasses.replace(obs("demo-trainer-1", "Running"), node_name="n2")
     assert decide([obs("demo-trainer-0", "Running"), gone]).disruption
-    # a trainer pod that vanished while trainer 0 runs: never recreated alone into its Ray cluster
-    lost = decide([obs("demo-trainer-0", "Running")])
-    assert lost.action == "restart" and lost.disruption and "trainer pod 1" in lost.cause
-    # an evicted pod deleted at once: remembered as disrupted, so not "disappeared", not a failure
-    gone_evicted = decide(
-        [obs("demo-trainer-0", "Running")], disrupted={"demo-trainer-1": "EvictionByEvictionAPI"}
+    # a pod the shell saw vanish (evicted and deleted at once, or a trainer lost from its Ray
+    # cluster): never recreated alone
+    lost = decide(
+        [obs("demo-trainer-0", "Running")],
+        vanished={"demo-trainer-1": "pod demo-trainer-1 was disrupted (EvictionByEvictionAPI)"},
     )
-    assert gone_evicted.disruption and "EvictionByEvictionAPI" in gone_evicted.cause
-    assert "demo-trainer-1" in gone_evicted.cause
-    # ... but a gang being created (nothing running yet) is not a loss
-    assert decide([obs("demo-trainer-0", "Pending")]).action == "run"
+    assert lost.action == "restart" and lost.disruption and "EvictionByEvictionAPI" in lost.cause
+    # ... but a gang being created (nothing vanished) is not a loss
+    assert decide([obs("demo-trainer-0", "Running")]).action == "run"
     # a disruption outranks the failures it causes (the Ray workers die with their head)
     both = decide(
         [

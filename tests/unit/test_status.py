@@ -51,7 +51,7 @@ def cond(st_: api.RLJobStatus, type_: str) -> api.Condition:
 def decision(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
     args: dict[str, object] = {
         "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None,
-        "policy": SPEC.restart_policy, "trainer_pods": 2, **kw,
+        "policy": SPEC.restart_policy, **kw,
     }  # fmt: skip
     return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
 
