@@ -167,15 +167,19 @@ async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
 def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Any:
     """Pods of every job, by (namespace, job): the reconcile's view of its pods (no LIST calls).
 
-    A pod seen with a DisruptionTarget is remembered: an eviction deletes it right after, and the
-    reconcile must still know it was a disruption, not a failure or a pod to recreate alone."""
+    Every pod seen is remembered, with its DisruptionTarget if it has one: an eviction deletes the
+    pod right after, maybe before any reconcile saw it, and the reconcile must still know it was
+    a disruption, not a pod never created or one to recreate alone."""
     obs = reconcile.observe_pod(body)
     if obs is None:
         return None
     state = memo.get("rljob")
-    if obs.disruption and isinstance(state, State):
+    if isinstance(state, State):
         key = names.job_key(namespace, labels[names.LABEL_JOB])
-        state.disrupted.setdefault(key, {})[obs.name] = (obs.attempt, obs.disruption)
+        # Seen here, not only by a reconcile: a pod may be created and evicted between two.
+        state.known.setdefault(key, {})[obs.name] = obs.attempt
+        if obs.disruption:
+            state.disrupted.setdefault(key, {})[obs.name] = (obs.attempt, obs.disruption)
     return {(namespace, labels[names.LABEL_JOB]): obs}
 
 

@@ -39,11 +39,20 @@ TWO_NODES = {
 def until_reason(
     cluster: Any, namespace: str, job: str, type_: str, reason: str, timeout: float = 30
 ) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = job_status(cluster, namespace, job)
-        return st if condition(st, type_).get("reason") == reason else None
+    last: dict[str, Any] = {}
 
-    return wait_for(f"{job}: {type_} reason {reason}", check, timeout)
+    def check() -> dict[str, Any] | None:
+        nonlocal last
+        last = job_status(cluster, namespace, job)
+        return last if condition(last, type_).get("reason") == reason else None
+
+    try:
+        return wait_for(f"{job}: {type_} reason {reason}", check, timeout)
+    except AssertionError as exc:
+        pods_now = [
+            (p["metadata"]["name"], p.get("status", {}).get("phase")) for p in pods(cluster, namespace, job)
+        ]
+        raise AssertionError(f"{exc}\nstatus: {json.dumps(last, indent=1)}\npods: {pods_now}") from None
 
 
 def events_of(cluster: Any, namespace: str, job: str) -> str:
