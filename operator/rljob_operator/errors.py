@@ -117,16 +117,3 @@ class InternalError(RLJobError):
         error.__cause__ = exc
         return error
 
-
-#: Every reason an estimator error may carry (the report and the CLI list them).
-ESTIMATOR_REASONS: tuple[str, ...] = tuple(
-    cls.reason
-    for cls in (
-        InvalidModelConfigError,
-        InvalidPlanRequestError,
-        UnknownAcceleratorError,
-        UnknownPresetError,
-        ModelDoesNotFitError,
-        KVCacheTooSmallError,
-    )
-)

@@ -1,11 +1,14 @@
 """What to create and delete for one job, decided from observations: the pure half of a reconcile.
 
-Role: the handlers observe (pods and nodes from kopf indexes, the RLJob body) and then ask this
-module what to do: `observe_pod`/`observe_node` turn API objects into small frozen observations,
-`assess_pods` finds a success or a failure of the current run attempt, `diff_pods` says which pods
-to delete (stale attempt, out-of-date template, scaled down) and which to create (missing, in
-index order, trainer 0 first), `backoff_s` is the restart delay, and `check_capacity` says whether
-the node pool can hold the layout at all. No clock, env or API: `now` comes in as an argument.
+Role: the handlers observe (pods and nodes from kopf indexes, the RLJob body, claims) and then ask
+this module what to do: `observe_pod`/`observe_node` turn API objects into small frozen
+observations (with the pod-level causes: the scheduler's message, waiting reasons, termination
+messages, DisruptionTarget), `decide_restart` says whether the current attempt succeeded, failed
+(counted, with backoff `backoff_s`, or ending the job) or was disrupted (restart, not counted),
+`diff_pods` says which pods to delete (stale attempt, out-of-date template, scaled down) and which
+to create (missing, in index order, trainer 0 first), `check_capacity` whether the node pool can
+hold the layout at all, and `check_claims` whether every claim exists and can be shared by the
+pods that mount it. No clock, env or API: `now` comes in as an argument.
 """
 
 from __future__ import annotations
