@@ -26,6 +26,13 @@ def cluster() -> Iterator[LocalCluster]:
         yield local
 
 
+@pytest.fixture(scope="session")
+def local_accelerator_nodes(cluster: LocalCluster) -> list[str]:
+    """gpu-local-0/1 (4 nvidia.com/gpu each) and npu-local-0 (4 huawei.com/Ascend910): local-exec
+    nodes whose pods run here with Ray seeing exactly their accelerators (testenv.cluster)."""
+    return cluster.add_local_accelerator_nodes()
+
+
 @pytest.fixture
 def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""

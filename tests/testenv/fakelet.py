@@ -30,7 +30,8 @@ SIGTERMs, then after the grace period (at most 10 s) SIGKILLs, every process of 
 session, which holds the daemons `ray start` spawns even after they rewrite their environ, plus
 anything carrying the pod's marker in its environment; then the deletion is confirmed. Output
 goes to `<cluster workdir>/pod-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU
-nodes run nothing.
+nodes run nothing, unless they are local-exec too (gpu-local, npu-local): then their pods run here
+with the trainer's CPU stand-in switch (`CPU_STANDIN_ENV`), and Ray sees the pod's accelerators.
 """
 
 from __future__ import annotations
@@ -186,6 +187,19 @@ def rewrite_json_paths(text: str, mounts: list[tuple[str, str]]) -> str:
     return _JSON_PATH.sub(lambda m: json.dumps(rewrite_path(json.loads(m.group(0)), mounts)), text)
 
 
+# Local-exec nodes with accelerator capacity (gpu-local, npu-local): this machine has no GPU/NPU,
+# so their pods get the trainer's test-only CPU stand-in switch (torch on CPU, the transformers
+# engine); `ray start` still advertises the pod's accelerator request, so Ray places as on a GPU node.
+CPU_STANDIN_ENV = "RLJOB_TEST_CPU_STANDIN"  # rljob_trainer.config.ENV_TEST_CPU_STANDIN
+NODE_BASE_RESOURCES = frozenset({"cpu", "memory", "pods", "ephemeral-storage"})
+
+
+def accelerator_resources(manifest: dict[str, Any]) -> list[str]:
+    """The extended (accelerator) resources of a node manifest's capacity."""
+    capacity = manifest.get("status", {}).get("capacity", {})
+    return sorted(k for k in capacity if k not in NODE_BASE_RESOURCES and not k.startswith("hugepages-"))
+
+
 RAY_START_ARGS_ENV = "RLJOB_FAKELET_RAY_START_ARGS"
 # Ray's `ray start` binds a few fixed ports (dashboard 8265, client server 10001, dashboard agent
 # 52365): right in a pod of its own, a collision between two jobs on one host. The pod's command
@@ -315,6 +329,7 @@ class FakeKubelet:
         # local-exec nodes and their pods
         self._python = python or sys.executable
         self._exec_nodes: set[str] = set()
+        self._accelerator_exec_nodes: set[str] = set()
         self._local: dict[str, LocalPod] = {}  # by pod uid
         self._by_name: dict[tuple[str, str], LocalPod] = {}  # (namespace, name) -> latest pod
         self._job_ports: dict[tuple[str, str], int] = {}
@@ -338,12 +353,15 @@ class FakeKubelet:
             self._nodes.add(name)
             if local_exec:
                 self._exec_nodes.add(name)
+                if accelerator_resources(manifest):
+                    self._accelerator_exec_nodes.add(name)
         self._renew_lease(name)
 
     def unregister_node(self, name: str) -> None:
         with self._lock:
             self._nodes.discard(name)
             self._exec_nodes.discard(name)
+            self._accelerator_exec_nodes.discard(name)
         with contextlib.suppress(ApiException):
             self._core.delete_node(name)
         with contextlib.suppress(ApiException):
@@ -673,6 +691,9 @@ class FakeKubelet:
         if self._automount_token(pod):
             env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
         env[POD_MARKER_ENV] = local.uid
+        with self._lock:
+            if pod.spec.node_name in self._accelerator_exec_nodes:
+                env[CPU_STANDIN_ENV] = "1"
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ValueError("the container has no command: a local-exec node has no image entrypoint")
