@@ -4,9 +4,10 @@ Role: holds the policy (LoRA via peft or full fine-tuning), its optimizer and, w
 on, the reference (the base with adapters disabled under LoRA, a frozen copy under full FT). Per
 step it gets its DP-balanced shard of every mini-batch from the driver, computes old (and
 reference) log-probs of the whole step in a forward-only pass before any update, then runs
-micro-batches planned by `rljob_trainer.microbatch` (the planner the DP-balance simulation uses), packed through
-`rljob_trainer.packing` (`use_cache=False`) or padded, and steps the optimizer after clipping the
-gradient norm. Callers: `rljob_trainer.driver` (as a Ray actor, or in-process in local mode), tests.
+micro-batches planned by `rljob_trainer.microbatch` (the planner the DP-balance simulation uses),
+packed through `rljob_trainer.packing` (`use_cache=False`) or padded, and steps the optimizer
+after clipping the gradient norm. Callers: `rljob_trainer.driver` (as a Ray actor, or in-process
+in local mode), tests.
 
 Parallelism: gloo + DDP on CPU, NCCL (CUDA) or HCCL (Ascend) + FSDP2 `fully_shard` on
 accelerators. Every rank runs the same number of micro-batches per mini-batch (all-reduce MAX of

@@ -6,7 +6,8 @@ Role: wrap `vllm.LLM` with sleep mode for engines colocated with training (`enab
 (`llm.collective_rpc` runs `model.load_weights` on every worker; nothing is written to disk), and
 processed log-probs (`logprobs_mode="processed_logprobs"`: after temperature and top-p, what the
 sampler drew from). The rules are `base.SleepState`, shared with the CPU engine. vLLM is imported
-lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine` inside a Ray actor on an accelerator pod.
+lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
+inside a Ray actor on an accelerator pod.
 
 NOT RUN in this repository's tests: there is no GPU here. The calls follow vLLM's public API
 (LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache).
