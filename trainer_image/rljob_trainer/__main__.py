@@ -7,8 +7,8 @@ Role: read the role from the environment the operator sets (docs/contracts.md §
   - rollout pod j: a Ray worker advertising the custom resource `rljob_rollout_<j>` so the driver
     pins dedicated engine j there.
 Every pod's `ray start` advertises exactly the container's accelerator request (`--num-gpus` for
-nvidia/amd, `{"NPU": n}` for Ascend: $RLJOB_NUM_ACCELERATORS, $RLJOB_RAY_ACCELERATOR), its CPUs
-($RLJOB_NUM_CPUS when set) and its pod marker (`rljob_trainer_<i>`: one unit per accelerator, which
+nvidia/amd, `{"NPU": n}` for Ascend: $RLJOB_NUM_ACCELERATORS, $RLJOB_RAY_ACCELERATOR) and its pod
+marker (`rljob_trainer_<i>`: one unit per accelerator, which
 the driver's placement groups ask for; `rljob_rollout_<j>`: 1). On failure the driver writes the
 error to the container's termination message (/dev/termination-log).
 Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
@@ -42,9 +42,6 @@ def ray_resource_args(env: Mapping[str, str], role: str, pod_index: int) -> list
         raise ValueError(f"{config_mod.ENV_RAY_ACCELERATOR}={accelerator!r}; valid: GPU, NPU or empty")
     # Always explicit, never auto-detected: a pod gets exactly what its container requested.
     args = [f"--num-gpus={count if accelerator == 'GPU' else 0}"]
-    cpus = env.get(config_mod.ENV_NUM_CPUS)
-    if cpus:
-        args.append(f"--num-cpus={cpus}")
     resources: dict[str, float] = {}
     if accelerator == "NPU" and count:
         resources["NPU"] = count

@@ -35,7 +35,6 @@ ENV_TELEMETRY_CONFIGMAP = "RLJOB_TELEMETRY_CONFIGMAP"
 # same from the container's limits): the count and the Ray resource name (GPU, NPU or empty).
 ENV_NUM_ACCELERATORS = "RLJOB_NUM_ACCELERATORS"
 ENV_RAY_ACCELERATOR = "RLJOB_RAY_ACCELERATOR"
-ENV_NUM_CPUS = "RLJOB_NUM_CPUS"
 
 ALL_ENV_VARS: tuple[str, ...] = (
     ENV_CONFIG_PATH,
@@ -49,7 +48,6 @@ ALL_ENV_VARS: tuple[str, ...] = (
     ENV_TELEMETRY_CONFIGMAP,
     ENV_NUM_ACCELERATORS,
     ENV_RAY_ACCELERATOR,
-    ENV_NUM_CPUS,
 )
 
 # Test-only switch, set by the test kubelet (tests/testenv/fakelet.py) on its local-exec GPU/NPU
