@@ -14,6 +14,7 @@ machine (`_start_local`). Its first container's command runs with `python` mappe
 interpreter; env values (`value`, `valueFrom` field/ConfigMap/Secret refs) as a kubelet resolves
 them; ConfigMap, Secret and emptyDir volumes as per-pod folders, with env values, args and paths
 in materialised JSON/YAML under a volume's `mountPath` rewritten to the folder; the pod's
+PVCs bound to a hostPath or local PV as that folder of this machine; the pod's
 ServiceAccount as a kubeconfig holding a token bound to the pod from the TokenRequest API (so
 the job's least-privilege Role is all the process gets, never the admin's credentials).
 
@@ -722,7 +723,11 @@ class FakeKubelet:
         for mount in container.volume_mounts or []:
             volume = volumes.get(mount.name)
             folder = local.folder / mount.name
-            if not folder.exists() and volume is not None:
+            host_path = self._claim_host_path(local.namespace, volume) if volume is not None else None
+            if host_path is not None:
+                # A PVC bound to a hostPath/local PV: the pod sees that folder of this machine.
+                folder = Path(host_path)
+            elif not folder.exists() and volume is not None:
                 staging = local.folder / f".{mount.name}.staging"
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir()
@@ -744,6 +749,19 @@ class FakeKubelet:
                 if path.is_file() and path.suffix in (".json", ".yaml", ".yml"):
                     path.write_text(rewrite_json_paths(path.read_text(), mounts))
         return mounts
+
+    def _claim_host_path(self, namespace: str, volume: Any) -> str | None:
+        """The folder of the hostPath (or local) PV a PVC volume is bound to; None for other volumes.
+        Raises while the claim is unbound (the start loop retries, as a kubelet waits)."""
+        claim = volume.persistent_volume_claim
+        if claim is None:
+            return None
+        pvc = self._core.read_namespaced_persistent_volume_claim(claim.claim_name, namespace)
+        if not pvc.spec.volume_name:
+            raise ValueError(f"PersistentVolumeClaim {claim.claim_name} is not bound yet")
+        pv = self._core.read_persistent_volume(pvc.spec.volume_name)
+        source = pv.spec.host_path or pv.spec.local
+        return source.path if source is not None else None
 
     def _write_config_map(self, *, namespace: str, source: Any, into: Path) -> None:
         try:

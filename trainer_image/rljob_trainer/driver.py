@@ -151,10 +151,38 @@ class GRPODriver:
             self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
         self._resume()
         self._reconcile_dedicated()
+        self.placement = self.check_placement()
         self._sync_awake_engines()
         self._sleep_shared_engines()
         self._last_sync = self.clock()
         self.dispatcher.close_interval()
+
+    def check_placement(self) -> list[dict[str, Any]]:
+        """Ray's record of where every rank and engine runs, checked against the plan; logged as one
+        `placement: [...]` JSON line. Raises naming the first actor that is not in its planned pod."""
+        if not isinstance(self.rt, runtimes.RayRuntime):
+            return []
+        actors: list[tuple[str, Any, str]] = [
+            (f"rank-{r}", h, slot.pod)
+            for r, (h, slot) in enumerate(zip(self.ranks, self.rt.rank_slots(), strict=True))
+        ]
+        for name, eng in sorted(self.engines.items()):
+            slot = self.rt.engine_slot(name, colocated=eng.colocated, pod_index=eng.pod_index)
+            actors.append((name, eng.handle, slot.pod))
+        records = self.rt.get([self.rt.where(h) for _, h, _ in actors])
+        pods = self.rt.node_pods()
+        out = []
+        for (name, _, planned), rec in zip(actors, records, strict=True):
+            where = pods.get(rec["node_id"])
+            out.append(
+                {"actor": name, "pod": where, "planned": planned, "accelerators": rec["accelerator_ids"]}
+            )
+            if where != planned:
+                raise RuntimeError(
+                    f"{name} runs on Ray node of {where}, but the placement plan puts it on {planned}"
+                )
+        log.info("placement: %s", json.dumps(out, sort_keys=True))
+        return out
 
     @property
     def weights_version(self) -> int:
