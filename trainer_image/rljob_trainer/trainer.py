@@ -165,7 +165,9 @@ class TrainingRank:
         threads = self.cfg.distributed.torch_threads_per_rank
         if threads:
             torch.set_num_threads(threads)
-        if self.world_size > 1 and not dist.is_initialized():
+        # Accelerators always run FSDP2, so they always need a process group (world size 1 too).
+        needs_group = self.world_size > 1 or self.device_kind != "cpu"
+        if needs_group and not dist.is_initialized():
             dist.init_process_group(
                 backend=self.backend,
                 init_method=f"tcp://{master_addr}:{master_port}",
@@ -202,9 +204,9 @@ class TrainingRank:
         }
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world_size == 1:
-            return model
         if self.device_kind == "cpu":
+            if self.world_size == 1:
+                return model
             from torch.nn.parallel import DistributedDataParallel
 
             return DistributedDataParallel(model)
