@@ -22,8 +22,8 @@ All local pods share the host network: `RLJOB_RAY_HEAD` becomes 127.0.0.1, each 
 `rljob.io/job`) gets one free `RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS` and a
 per-pod `TMPDIR` keep parallel jobs from finding each other's Ray clusters. Ray's fixed default
 ports (dashboard 8265, client server 10001, dashboard agent 52365) would collide between two jobs
-on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones,
-and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
+on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones (and socket
+files in the pod's own folder), and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
 
 The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with the exit code
 when its main process ends, after which nothing of it survives (as in a container). Deleting it
@@ -214,6 +214,7 @@ if len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "ray" and sys.argv[1] 
         if (not head_only or "--head" in sys.argv) and not any(a.startswith(name) for a in sys.argv):
             sys.argv.append(arg)
 """
+RAY_PORT_FLAGS = ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
 ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
 ENV_RAY_PORT = "RLJOB_RAY_PORT"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -683,8 +684,14 @@ class FakeKubelet:
             env["RAY_ADDRESS"] = f"{LOCAL_POD_IP}:{port}"  # `ray.init("auto")` finds this job's head
             env["RAY_USE_RANDOM_PORTS"] = "1"  # worker processes: OS-assigned ports, not 10002-19999
             env[RAY_START_ARGS_ENV] = " ".join(
-                f"--{flag}={_free_port()}"
-                for flag in ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
+                [
+                    *(f"--{flag}={_free_port()}" for flag in RAY_PORT_FLAGS),
+                    # Worker nodes take the head's temp dir from the GCS, so on one host every pod's
+                    # raylet would race for the same socket files (`bind: Address already in use`);
+                    # in a real pod the filesystem is its own. Give each pod its own sockets.
+                    f"--plasma-store-socket-name={env['TMPDIR']}/plasma",
+                    f"--raylet-socket-name={env['TMPDIR']}/raylet",
+                ]
             )
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(self._ray_start_hook()), env.get("PYTHONPATH")) if p
