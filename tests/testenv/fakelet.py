@@ -688,9 +688,8 @@ class FakeKubelet:
                     *(f"--{flag}={_free_port()}" for flag in RAY_PORT_FLAGS),
                     # Worker nodes take the head's temp dir from the GCS, so on one host every pod's
                     # raylet would race for the same socket files (`bind: Address already in use`);
-                    # in a real pod the filesystem is its own. Give each pod its own sockets.
-                    f"--plasma-store-socket-name={env['TMPDIR']}/plasma",
-                    f"--raylet-socket-name={env['TMPDIR']}/raylet",
+                    # in a real pod the filesystem is its own. Give each pod its own temp dir.
+                    f"--temp-dir={env['TMPDIR']}/ray",
                 ]
             )
             env["PYTHONPATH"] = os.pathsep.join(

@@ -31,9 +31,6 @@ from rljob_trainer import config as config_mod
 log = logging.getLogger("rljob_trainer")
 
 
-TERMINATION_LOG = "/dev/termination-log"
-
-
 def ray_resource_args(env: Mapping[str, str], role: str, pod_index: int) -> list[str]:
     """`ray start` flags advertising this pod's resources exactly (pure: env in, flags out)."""
     count = int(env.get(config_mod.ENV_NUM_ACCELERATORS) or 0)
@@ -153,12 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_driver(cfg, args, env)
     except Exception as e:
         write_termination_message(
-            f"{type(e).__name__}: {e}", env.get("RLJOB_TERMINATION_LOG", TERMINATION_LOG)
+            f"{type(e).__name__}: {e}",
+            env.get(config_mod.ENV_TERMINATION_LOG, config_mod.DEFAULT_TERMINATION_LOG),
         )
         raise
 
 
-def write_termination_message(message: str, path: str = TERMINATION_LOG) -> bool:
+def write_termination_message(message: str, path: str = config_mod.DEFAULT_TERMINATION_LOG) -> bool:
     """The kubelet shows this file's content as the container's termination message (best effort)."""
     try:
         with open(path, "w") as f:

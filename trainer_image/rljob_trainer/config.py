@@ -55,6 +55,10 @@ ALL_ENV_VARS: tuple[str, ...] = (
 # transformers engine (which obeys vLLM's sleep and weight rules), while every Ray placement
 # decision (GPU/NPU resources, placement groups) stays what the accelerator job asks for.
 ENV_TEST_CPU_STANDIN = "RLJOB_TEST_CPU_STANDIN"
+# Where the driver writes its failure (default: the kubelet's /dev/termination-log); tests and
+# kubelets that map the file elsewhere set it.
+ENV_TERMINATION_LOG = "RLJOB_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 
 ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
