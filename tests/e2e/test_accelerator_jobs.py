@@ -254,11 +254,21 @@ def test_flagship_shape_trains_on_local_accelerator_pool(
             reports = telemetry.parse_reports(cm["data"][telemetry.REPORTS_KEY])
             assert [r.step for r in reports] == list(range(1, STEPS + 1))
             step_s = [b.time - a.time for a, b in itertools.pairwise(reports)]
-            sys.stderr.write(
-                f"e2e {kind}: Succeeded after {time.monotonic() - started:.0f}s; plan {plan}; "
-                f"step time median {sorted(step_s)[len(step_s) // 2]:.2f}s; "
-                f"reward curve {[round(r.mean_reward or 0.0, 3) for r in reports]}\n"
-            )
+            summary = {
+                "job": kind,
+                "wall_s": round(time.monotonic() - started, 1),
+                "plan": {k: plan.get(k) for k in ("trainerAccelerators", "sharedEngines", "rolloutEngines")},
+                "step_s_median": round(sorted(step_s)[len(step_s) // 2], 3),
+                "generation_s": [round(r.generation_s, 3) for r in reports],
+                "training_s": [round(r.training_s, 3) for r in reports],
+                "reward_curve": [round(r.mean_reward or 0.0, 3) for r in reports],
+                "placement": placement,
+            }
+            sys.stderr.write(f"e2e {json.dumps(summary)}\n")
+            report = os.environ.get("RLJOB_E2E_REPORT")
+            if report:
+                with open(report, "a") as f:
+                    f.write(json.dumps(summary) + "\n")
     finally:
         if watcher is not None and watcher.poll() is None:
             watcher.kill()
