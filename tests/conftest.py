@@ -26,6 +26,16 @@ def cluster() -> Iterator[LocalCluster]:
         yield local
 
 
+@pytest.fixture(scope="module")
+def local_accelerator_nodes(cluster: LocalCluster) -> Iterator[list[str]]:
+    """gpu-local-0/1 (4 nvidia.com/gpu each) and npu-local-0 (4 huawei.com/Ascend910): local-exec
+    nodes whose pods run here with Ray seeing exactly their accelerators (testenv.cluster).
+    Removed after the module, so other tests' GPU pods keep landing on nodes that run nothing."""
+    names = cluster.add_local_accelerator_nodes()
+    yield names
+    cluster.delete_nodes(names)
+
+
 @pytest.fixture
 def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""

@@ -191,7 +191,13 @@ INVALID_CASES: list[InvalidCase] = [
         "cel-reward-module-path-or-import",
         {"spec.reward.functions.0": {"name": "module", "module": {"path": "/r.py", "importPath": "r"}}},
         "spec.reward.functions[0].module",
-        "exactly one of path or importPath",
+        "exactly one of path, importPath, configMapRef or pvc",
+    ),
+    InvalidCase(
+        "cel-mini-batches-divide-the-step",
+        {"spec.grpo.miniBatchesPerStep": 3, "spec.grpo.promptsPerStep": 4, "spec.grpo.groupSize": 4},
+        "spec.grpo.miniBatchesPerStep",
+        "must divide promptsPerStep x groupSize",
     ),
     InvalidCase(
         "cel-adaptive-scale-up-after-wake",

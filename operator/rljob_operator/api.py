@@ -398,6 +398,16 @@ class ModelSpec(_Spec):
 class GRPOSpec(_Spec):
     """Group Relative Policy Optimization settings."""
 
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="(self.promptsPerStep * self.groupSize) % self.miniBatchesPerStep == 0",
+            message="spec.grpo.miniBatchesPerStep must divide promptsPerStep x groupSize (the samples of "
+            "a step); change miniBatchesPerStep or promptsPerStep",
+            field_path=".miniBatchesPerStep",
+            check=lambda s: (s.prompts_per_step * s.group_size) % s.mini_batches_per_step == 0,
+        ),
+    )
+
     group_size: int = Field(
         8,
         ge=2,
@@ -412,6 +422,21 @@ class GRPOSpec(_Spec):
     )
     max_steps: int = Field(
         100, ge=1, le=10_000_000, description="Optimizer steps to run; the job succeeds after them."
+    )
+    mini_batches_per_step: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Optimizer updates per step: the step's samples are split into this many mini-batches. "
+        "Old log-probs are computed once, before the first update, so from the second update on the PPO "
+        "ratio moves and clipRatioLow/High act.",
+    )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Passes over the step's mini-batches (updates per step: miniBatchesPerStep x "
+        "ppoEpochs).",
     )
     learning_rate: float = Field(1.0e-6, gt=0.0, le=1.0, description="Peak learning rate of AdamW.")
     clip_ratio_low: float = Field(
@@ -500,6 +525,15 @@ class HubDataSource(_Spec):
     subset: str | None = Field(
         None, max_length=128, description="Configuration (subset) name, for example main."
     )
+    endpoint: str | None = Field(
+        None,
+        max_length=512,
+        pattern=r"^https?://",
+        description="Hub endpoint (HF_ENDPOINT), for a mirror or a private hub. Default: huggingface.co.",
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding a hub token for gated or private datasets (never inline)."
+    )
 
 
 class DataConfigMapRef(_Spec):
@@ -523,7 +557,9 @@ class DataSource(_Spec):
 
     builtin: BuiltinDataSource | None = Field(None, description="A dataset shipped in the trainer image.")
     pvc: PVCPathSource | None = Field(
-        None, description="JSON Lines or Parquet files on a PersistentVolumeClaim."
+        None,
+        description="On a PersistentVolumeClaim: a .jsonl, .json, .parquet or .arrow file, a directory of "
+        "them, or a folder written by datasets' save_to_disk.",
     )
     hub: HubDataSource | None = Field(None, description="A dataset from the Hugging Face Hub.")
     config_map_ref: DataConfigMapRef | None = Field(
@@ -547,24 +583,48 @@ class DataSpec(_Spec):
         max_length=128,
         description="Record field holding the reference answer the reward compares to.",
     )
+    chat_template: bool = Field(
+        False,
+        description="Render each prompt as a user message with the tokenizer's chat template (and the "
+        "generation prompt), as chat models expect. The tokenizer must have a template.",
+    )
+
+
+class RewardFileConfigMapRef(_Spec):
+    """A ConfigMap key holding a reward module's Python source."""
+
+    name: ObjectName = Field(description="Name of the ConfigMap.")
+    key: DataKey = Field(
+        description="Key inside the ConfigMap whose value is the .py source, e.g. reward.py."
+    )
 
 
 class RewardModuleSpec(_Spec):
-    """A user reward function: `fn(prompts, completions, answers) -> list[float]`.
+    """A user reward function, called once per step with the whole batch:
+    `fn(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]`
+    (one float per completion, like TRL's reward functions).
 
-    Set exactly one of path or importPath.
+    Set exactly one of path, importPath, configMapRef or pvc.
     """
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
-            rule="has(self.path) != has(self.importPath)",
-            message="spec.reward.functions[].module: set exactly one of path or importPath",
-            check=lambda s: _count(s.path, s.import_path) == 1,
+            rule="(has(self.path) ? 1 : 0) + (has(self.importPath) ? 1 : 0) + "
+            "(has(self.configMapRef) ? 1 : 0) + (has(self.pvc) ? 1 : 0) == 1",
+            message="spec.reward.functions[].module: set exactly one of path, importPath, configMapRef "
+            "or pvc",
+            check=lambda s: _count(s.path, s.import_path, s.config_map_ref, s.pvc) == 1,
         ),
     )
 
     path: str | None = Field(
-        None, min_length=1, max_length=1024, description="Python file inside the image or a mounted volume."
+        None, min_length=1, max_length=1024, description="A .py file inside the trainer image."
+    )
+    config_map_ref: RewardFileConfigMapRef | None = Field(
+        None, description="A .py file in a ConfigMap key (mounted read-only into the trainer pods)."
+    )
+    pvc: PVCPathSource | None = Field(
+        None, description="A .py file on a PersistentVolumeClaim (mounted read-only into the trainer pods)."
     )
     import_path: str | None = Field(
         None,
@@ -770,6 +830,12 @@ class RolloutSpec(_Spec):
         le=67_108_864,
         description="Override: most tokens in one engine step, i.e. one prefill's length (vLLM "
         "max_num_batched_tokens). Default: min(KV capacity, max model length).",
+    )
+    enable_sleep_mode: bool = Field(
+        True,
+        description="vLLM sleep mode for engines colocated with training: they sleep (level 2) while the "
+        "trainer trains and reload weights when they wake. false: they never sleep, and stay awake "
+        "beside the trainer.",
     )
 
 

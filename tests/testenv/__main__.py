@@ -1,7 +1,9 @@
 """`python -m testenv up|down|status|build`: the local cluster, by hand.
 
 `up` starts the control plane in a background process (`serve`) whose state lives in
-`.rljob/cluster/` at the repository root, registers a few fake accelerator nodes, and prints the
+`.rljob/cluster/` at the repository root, registers a few fake accelerator nodes (h100, ascend: they
+run nothing), the local-exec accelerator nodes gpu-local-0/1 and npu-local-0 and a local-exec cpu
+node (their pods really run, as processes here), and prints the
 `export KUBECONFIG=...` line to paste. `down` stops it. `build` only builds the binaries.
 """
 
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from testenv import binaries
-from testenv.cluster import LocalCluster
+from testenv.cluster import LOCAL_ACCELERATOR_POOLS, LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STATE = REPO_ROOT / ".rljob" / "cluster"
@@ -41,6 +43,7 @@ DEFAULT_POOLS = [
         "labels": {"rljob.io/accelerator": "Ascend910B3"},
         "taints": [{"key": "huawei.com/Ascend910", "value": "present", "effect": "NoSchedule"}],
     },
+    *LOCAL_ACCELERATOR_POOLS,
     {
         "count": 1,
         "name_prefix": "cpu",

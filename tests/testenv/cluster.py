@@ -40,6 +40,36 @@ from testenv import binaries, fakelet, pki
 SERVICE_CIDR = "10.96.0.0/16"
 
 
+# Local-exec accelerator nodes: pods bound there run as processes on this machine, and `ray start`
+# in them advertises exactly the pod's GPUs/NPUs to Ray while torch runs on CPU (the test kubelet
+# sets rljob_trainer.config.ENV_TEST_CPU_STANDIN). So every Ray placement decision of a GPU or NPU
+# job runs for real here. `python -m testenv up` and the `local_accelerator_nodes` fixture add them.
+LOCAL_ACCELERATOR_POOLS: list[dict[str, Any]] = [
+    {
+        "count": 2,
+        "name_prefix": "gpu-local",
+        "resource": "nvidia.com/gpu",
+        "per_node": 4,
+        "labels": {"rljob.io/pool": "gpu-local"},
+        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+        "cpu": "64",
+        "memory": "512Gi",
+        "exec_local": True,
+    },
+    {
+        "count": 1,
+        "name_prefix": "npu-local",
+        "resource": "huawei.com/Ascend910",
+        "per_node": 4,
+        "labels": {"rljob.io/pool": "npu-local"},
+        "taints": [{"key": "huawei.com/Ascend910", "value": "present", "effect": "NoSchedule"}],
+        "cpu": "64",
+        "memory": "512Gi",
+        "exec_local": True,
+    },
+]
+
+
 def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -373,6 +403,13 @@ class LocalCluster:
                     pods=pods,
                 )
             )
+        return names
+
+    def add_local_accelerator_nodes(self) -> list[str]:
+        """Register gpu-local-0/1 and npu-local-0 (`LOCAL_ACCELERATOR_POOLS`); idempotent."""
+        names: list[str] = []
+        for pool in LOCAL_ACCELERATOR_POOLS:
+            names += self.add_nodes(**pool)
         return names
 
     def delete_nodes(self, names: Sequence[str]) -> None:

@@ -19,6 +19,7 @@ machine (`_start_local`). Its first container's command runs with `python` mappe
 interpreter; env values (`value`, `valueFrom` field/ConfigMap/Secret refs) as a kubelet resolves
 them; ConfigMap, Secret and emptyDir volumes as per-pod folders, with env values, args and paths
 in materialised JSON/YAML under a volume's `mountPath` rewritten to the folder; the pod's
+PVCs bound to a hostPath or local PV as that folder of this machine; the pod's
 ServiceAccount as a kubeconfig holding a token bound to the pod from the TokenRequest API (so
 the job's least-privilege Role is all the process gets, never the admin's credentials).
 
@@ -26,8 +27,8 @@ All local pods share the host network: `RLJOB_RAY_HEAD` becomes 127.0.0.1, each 
 `rljob.io/job`) gets one free `RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS` and a
 per-pod `TMPDIR` keep parallel jobs from finding each other's Ray clusters. Ray's fixed default
 ports (dashboard 8265, client server 10001, dashboard agent 52365) would collide between two jobs
-on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones,
-and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
+on one host, so a `sitecustomize` hook on the pod's PYTHONPATH gives every `ray start` free ones (and socket
+files in the pod's own folder), and `RAY_USE_RANDOM_PORTS` lets the OS pick worker ports.
 
 The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with the exit code when
 its main process ends (the container's termination-message file, mounted at its
@@ -37,7 +38,9 @@ nothing of it survives (as in a container). Deleting it SIGTERMs, then after the
 most 10 s) SIGKILLs, every process of the pod: its session, which holds the daemons `ray start`
 spawns even after they rewrite their environ, plus anything carrying the pod's marker in its
 environment; then the deletion is confirmed. Output goes to `<cluster workdir>/pod-
-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU nodes run nothing.
+logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU nodes run nothing, unless they
+are local-exec too (gpu-local, npu-local): then their pods run here with the trainer's CPU stand-in
+switch (`CPU_STANDIN_ENV`), and Ray sees the pod's accelerators.
 """
 
 from __future__ import annotations
@@ -200,6 +203,19 @@ def rewrite_json_paths(text: str, mounts: list[tuple[str, str]]) -> str:
     return _JSON_PATH.sub(lambda m: json.dumps(rewrite_path(json.loads(m.group(0)), mounts)), text)
 
 
+# Local-exec nodes with accelerator capacity (gpu-local, npu-local): this machine has no GPU/NPU,
+# so their pods get the trainer's test-only CPU stand-in switch (torch on CPU, the transformers
+# engine); `ray start` still advertises the pod's accelerator request, so Ray places as on a GPU node.
+CPU_STANDIN_ENV = "RLJOB_TEST_CPU_STANDIN"  # rljob_trainer.config.ENV_TEST_CPU_STANDIN
+NODE_BASE_RESOURCES = frozenset({"cpu", "memory", "pods", "ephemeral-storage"})
+
+
+def accelerator_resources(manifest: dict[str, Any]) -> list[str]:
+    """The extended (accelerator) resources of a node manifest's capacity."""
+    capacity = manifest.get("status", {}).get("capacity", {})
+    return sorted(k for k in capacity if k not in NODE_BASE_RESOURCES and not k.startswith("hugepages-"))
+
+
 RAY_START_ARGS_ENV = "RLJOB_FAKELET_RAY_START_ARGS"
 # Ray's `ray start` binds a few fixed ports (dashboard 8265, client server 10001, dashboard agent
 # 52365): right in a pod of its own, a collision between two jobs on one host. The pod's command
@@ -213,6 +229,7 @@ if len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "ray" and sys.argv[1] 
         if (not head_only or "--head" in sys.argv) and not any(a.startswith(name) for a in sys.argv):
             sys.argv.append(arg)
 """
+RAY_PORT_FLAGS = ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
 ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
 ENV_RAY_PORT = "RLJOB_RAY_PORT"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -338,6 +355,7 @@ class FakeKubelet:
         # local-exec nodes and their pods
         self._python = python or sys.executable
         self._exec_nodes: set[str] = set()
+        self._accelerator_exec_nodes: set[str] = set()
         self._local: dict[str, LocalPod] = {}  # by pod uid
         self._by_name: dict[tuple[str, str], LocalPod] = {}  # (namespace, name) -> latest pod
         self._job_ports: dict[tuple[str, str], int] = {}
@@ -363,12 +381,15 @@ class FakeKubelet:
             self._nodes.add(name)
             if local_exec:
                 self._exec_nodes.add(name)
+                if accelerator_resources(manifest):
+                    self._accelerator_exec_nodes.add(name)
         self._renew_lease(name)
 
     def unregister_node(self, name: str) -> None:
         with self._lock:
             self._nodes.discard(name)
             self._exec_nodes.discard(name)
+            self._accelerator_exec_nodes.discard(name)
         with contextlib.suppress(ApiException):
             self._core.delete_node(name)
         with contextlib.suppress(ApiException):
@@ -875,8 +896,13 @@ class FakeKubelet:
             env["RAY_ADDRESS"] = f"{LOCAL_POD_IP}:{port}"  # `ray.init("auto")` finds this job's head
             env["RAY_USE_RANDOM_PORTS"] = "1"  # worker processes: OS-assigned ports, not 10002-19999
             env[RAY_START_ARGS_ENV] = " ".join(
-                f"--{flag}={_free_port()}"
-                for flag in ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
+                [
+                    *(f"--{flag}={_free_port()}" for flag in RAY_PORT_FLAGS),
+                    # Worker nodes take the head's temp dir from the GCS, so on one host every pod's
+                    # raylet would race for the same socket files (`bind: Address already in use`);
+                    # in a real pod the filesystem is its own. Give each pod its own temp dir.
+                    f"--temp-dir={env['TMPDIR']}/ray",
+                ]
             )
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(self._ray_start_hook()), env.get("PYTHONPATH")) if p
@@ -884,6 +910,9 @@ class FakeKubelet:
         if self._automount_token(pod):
             env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
         env[POD_MARKER_ENV] = local.uid
+        with self._lock:
+            if pod.spec.node_name in self._accelerator_exec_nodes:
+                env[CPU_STANDIN_ENV] = "1"
         argv = [*(container.command or []), *(container.args or [])]
         if not argv:
             raise ValueError("the container has no command: a local-exec node has no image entrypoint")
@@ -912,7 +941,11 @@ class FakeKubelet:
         for mount in container.volume_mounts or []:
             volume = volumes.get(mount.name)
             folder = local.folder / mount.name
-            if not folder.exists() and volume is not None:
+            host_path = self._claim_host_path(local.namespace, volume) if volume is not None else None
+            if host_path is not None:
+                # A PVC bound to a hostPath/local PV: the pod sees that folder of this machine.
+                folder = Path(host_path)
+            elif not folder.exists() and volume is not None:
                 staging = local.folder / f".{mount.name}.staging"
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir()
@@ -934,6 +967,19 @@ class FakeKubelet:
                 if path.is_file() and path.suffix in (".json", ".yaml", ".yml"):
                     path.write_text(rewrite_json_paths(path.read_text(), mounts))
         return mounts
+
+    def _claim_host_path(self, namespace: str, volume: Any) -> str | None:
+        """The folder of the hostPath (or local) PV a PVC volume is bound to; None for other volumes.
+        Raises while the claim is unbound (the start loop retries, as a kubelet waits)."""
+        claim = volume.persistent_volume_claim
+        if claim is None:
+            return None
+        pvc = self._core.read_namespaced_persistent_volume_claim(claim.claim_name, namespace)
+        if not pvc.spec.volume_name:
+            raise ValueError(f"PersistentVolumeClaim {claim.claim_name} is not bound yet")
+        pv = self._core.read_persistent_volume(pvc.spec.volume_name)
+        source = pv.spec.host_path or pv.spec.local
+        return source.path if source is not None else None
 
     def _write_config_map(self, *, namespace: str, source: Any, into: Path) -> None:
         try:

@@ -287,12 +287,6 @@ def test_config_rejects_what_the_trainer_cannot_run() -> None:
         {"a": 1},
     )
     assert cfg.grpo.loss_agg == "seq-mean-token-sum-norm"
-    with pytest.raises(errors.InvalidSpecError, match="hub"):
-        builders.render_trainer_config(
-            make_spec(data={"source": {"hub": {"id": "openai/gsm8k"}}}),
-            api.PlanStatus(trainer_accelerators=8),
-            {"model_type": "llama"},
-        )
     with pytest.raises(errors.InvalidSpecError, match="config"):
         configmaps.render_trainer_config(make_spec(), api.PlanStatus(trainer_accelerators=8), None)
 
@@ -318,3 +312,117 @@ def test_layout_requests_never_exceed_plan(
     assert sum(layout.trainer_accelerators) == plan.trainer_accelerators
     assert all(0 < a <= 8 for a in layout.trainer_accelerators)
     assert len({o["metadata"]["name"] for o in objs}) == len(objs)
+
+
+def _env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "model", "ray_name"), [("nvidia", "H100-80GB", "GPU"), ("ascend", "Ascend910B3", "NPU")]
+)
+def test_pods_tell_ray_start_their_exact_accelerators_and_the_config_places_ranks_per_pod(
+    kind: str, model: str, ray_name: str
+) -> None:
+    spec = make_spec(
+        **{
+            "resources.accelerator": {"kind": kind, "model": model},
+            "resources.acceleratorsPerNode": 4,
+            "resources.static": {"trainerAccelerators": 5, "rolloutAccelerators": 8},
+        }
+    )
+    plan = api.PlanStatus(trainer_accelerators=5, rollout_engines=2, shared_engines=5, tensor_parallel=4)
+    layout = builders.compute_layout(spec, plan)
+    objs = builders.build_pods(JOB, spec, layout)
+    envs = {o["metadata"]["name"]: _env_of(o) for o in objs}
+    assert envs["demo-trainer-0"][tc.ENV_NUM_ACCELERATORS] == "4"
+    assert envs["demo-trainer-1"][tc.ENV_NUM_ACCELERATORS] == "1"
+    assert envs["demo-rollout-0"][tc.ENV_NUM_ACCELERATORS] == "4"
+    assert {e[tc.ENV_RAY_ACCELERATOR] for e in envs.values()} == {ray_name}
+    assert not any(tc.ENV_TEST_CPU_STANDIN in e for e in envs.values())  # a test-kubelet switch only
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert cfg.distributed.accelerator == ray_name and cfg.distributed.trainer_pod_ranks == [4, 1]
+    assert cfg.rollout.kind == "vllm" and cfg.rollout.sleep_level == 2 and cfg.rollout.enable_sleep_mode
+
+
+def test_cpu_pods_advertise_no_accelerator() -> None:
+    spec = make_spec(
+        **{
+            "resources.accelerator": {"kind": "cpu"},
+            "resources.acceleratorsPerNode": 1,
+            "resources.totalAccelerators": 2,
+            "resources.static": {"trainerAccelerators": 2, "rolloutAccelerators": 0},
+            "resources.rollout": {},
+        }
+    )
+    plan = api.PlanStatus(trainer_accelerators=2, rollout_engines=0, shared_engines=1)
+    env = _env_of(builders.build_pods(JOB, spec, builders.compute_layout(spec, plan))[0])
+    assert env[tc.ENV_RAY_ACCELERATOR] == "" and env[tc.ENV_NUM_ACCELERATORS] == "1"
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert cfg.distributed.accelerator is None and cfg.distributed.trainer_pod_ranks == [1, 1]
+
+
+def test_grpo_updates_data_formats_hub_and_chat_template_reach_the_trainer() -> None:
+    spec = make_spec(
+        grpo={"miniBatchesPerStep": 4, "ppoEpochs": 2},
+        data={
+            "source": {
+                "hub": {
+                    "id": "openai/gsm8k",
+                    "subset": "main",
+                    "split": "test",
+                    "endpoint": "https://hf-mirror.example",
+                    "tokenSecretRef": {"name": "hf", "key": "token"},
+                }
+            },
+            "promptField": "question",
+            "chatTemplate": True,
+        },
+        **{"resources.rollout": {"tensorParallel": 4, "enableSleepMode": False}},
+    )
+    plan = static_plan(spec)
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert (cfg.grpo.mini_batches_per_step, cfg.grpo.ppo_epochs) == (4, 2)
+    d = cfg.data
+    assert (d.hub_id, d.hub_subset, d.hub_split, d.chat_template) == ("openai/gsm8k", "main", "test", True)
+    assert d.hub_token_env == configmaps.HF_DATA_TOKEN_ENV and d.builtin is None
+    assert cfg.rollout.enable_sleep_mode is False
+    env = _env_of(builders.build_trainer_pod(JOB, spec, builders.compute_layout(spec, plan), 0))
+    assert env[configmaps.HF_ENDPOINT_ENV] == "https://hf-mirror.example"
+    assert env[configmaps.HF_DATA_TOKEN_ENV] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    pvc = make_spec(data={"source": {"pvc": {"claimName": "data", "path": "gsm8k/"}}})
+    assert (
+        builders.render_trainer_config(pvc, static_plan(pvc), {"model_type": "llama"}).data.path
+        == "/data/gsm8k/"
+    )
+
+
+def test_reward_modules_by_import_path_file_configmap_and_pvc() -> None:
+    spec = make_spec(
+        reward={
+            "functions": [
+                {"name": "module", "module": {"importPath": "my.rewards", "function": "score"}},
+                {"name": "module", "module": {"path": "/app/r.py"}},
+                {
+                    "name": "module",
+                    "module": {"configMapRef": {"name": "rw", "key": "reward.py"}, "function": "f"},
+                },
+                {"name": "module", "module": {"pvc": {"claimName": "code", "path": "/rewards/r.py"}}},
+            ]
+        }
+    )
+    plan = static_plan(spec)
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert [(r.import_path, r.path, r.function) for r in cfg.rewards] == [
+        ("my.rewards", None, "score"),
+        (None, "/app/r.py", "reward"),
+        (None, f"{configmaps.REWARD_MOUNT_DIR}/2/reward.py", "f"),
+        (None, f"{configmaps.REWARD_MOUNT_DIR}/3/rewards/r.py", "reward"),
+    ]
+    pod = builders.build_trainer_pod(JOB, spec, builders.compute_layout(spec, plan), 0)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert volumes["reward-2"]["configMap"] == {"name": "rw"}
+    assert volumes["reward-3"]["persistentVolumeClaim"] == {"claimName": "code", "readOnly": True}
+    assert mounts["reward-2"] == f"{configmaps.REWARD_MOUNT_DIR}/2"
+    assert "reward-0" not in volumes and "reward-1" not in volumes

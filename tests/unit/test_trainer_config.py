@@ -62,16 +62,13 @@ def test_other_validation_rules():
 
 def test_env_names_match_contract():
     assert config.ALL_ENV_VARS == (
-        "RLJOB_CONFIG_PATH",
-        "RLJOB_ROLE",
-        "RLJOB_POD_INDEX",
-        "RLJOB_JOB_NAME",
-        "RLJOB_NAMESPACE",
-        "RLJOB_RAY_HEAD",
-        "RLJOB_RAY_PORT",
-        "RLJOB_NUM_TRAINER_PODS",
-        "RLJOB_TELEMETRY_CONFIGMAP",
+        "RLJOB_CONFIG_PATH", "RLJOB_ROLE", "RLJOB_POD_INDEX", "RLJOB_JOB_NAME", "RLJOB_NAMESPACE",
+        "RLJOB_RAY_HEAD", "RLJOB_RAY_PORT", "RLJOB_NUM_TRAINER_PODS", "RLJOB_TELEMETRY_CONFIGMAP",
+        "RLJOB_NUM_ACCELERATORS", "RLJOB_RAY_ACCELERATOR",
     )
+    # The test kubelet's CPU stand-in switch is not part of what the operator sets.
+    assert config.ENV_TEST_CPU_STANDIN not in config.ALL_ENV_VARS
+    assert config.trainer_resource_name(2) == "rljob_trainer_2"
     assert config.DEFAULT_CONFIG_PATH == "/etc/rljob/trainer.json"
     assert config.rollout_resource_name(3) == "rljob_rollout_3"
 

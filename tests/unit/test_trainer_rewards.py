@@ -45,22 +45,59 @@ def test_registry_lists_valid_names():
         rewards.get_reward_fn("nope")
 
 
-def test_weighted_reward_with_user_module(tmp_path, monkeypatch):
+def test_weighted_reward_with_user_modules_by_import_path_and_by_file(tmp_path, monkeypatch):
+    # One batch signature, as the CRD documents: fn(prompts, completions, answers, **kwargs).
     (tmp_path / "my_reward_mod.py").write_text(
-        "def short(prompt, response, answer):\n    return 1.0 if len(response) <= 2 else 0.0\n"
+        "CALLS = []\n"
+        "def short(prompts, completions, answers, **kwargs):\n"
+        "    CALLS.append(len(completions))\n"
+        "    return [1.0 if len(c) <= 2 else 0.0 for c in completions]\n"
+    )
+    other = tmp_path / "mounted" / "reward.py"
+    other.parent.mkdir()
+    other.write_text(
+        "def exact(prompts, completions, answers, **kwargs):\n"
+        "    return [float(c == a) for c, a in zip(completions, answers)]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     settings = [
         config.RewardFunctionSettings(name="mathAccuracy", weight=1.0),
         config.RewardFunctionSettings(name="format", weight=0.5),
-        config.RewardFunctionSettings(name="module", module="my_reward_mod", function="short", weight=0.25),
+        config.RewardFunctionSettings(
+            name="module", import_path="my_reward_mod", function="short", weight=0.25
+        ),
+        config.RewardFunctionSettings(name="module", path=str(other), function="exact", weight=2.0),
     ]
     fn = rewards.build_reward_fn(settings)
-    total, parts = fn.score("3+4=", "7", "7")
-    assert parts == {"mathAccuracy": 1.0, "format": 1.0, "my_reward_mod:short": 1.0}
-    assert total == pytest.approx(1.75)
-    total, _ = fn.score("3+4=", "8 no", "7")
-    assert total == 0.0
+    totals, parts = fn.score_batch(["3+4=", "3+4="], ["7", "8 no"], ["7", "7"])
+    assert parts == {
+        "mathAccuracy": [1.0, 0.0],
+        "format": [1.0, 0.0],
+        "my_reward_mod:short": [1.0, 0.0],
+        f"{other}:exact": [1.0, 0.0],
+    }
+    assert totals == [pytest.approx(3.75), 0.0]
+    assert sys.modules["my_reward_mod"].CALLS == [2]  # called once with the whole batch
     with pytest.raises(ValueError, match="no callable"):
-        rewards.load_user_reward("my_reward_mod", "missing")
+        rewards.load_user_reward(import_path="my_reward_mod", function="missing")
+    with pytest.raises(ValueError, match=r"not a \.py file"):
+        rewards.load_user_reward(path=str(tmp_path / "absent.py"), function="exact")
     sys.modules.pop("my_reward_mod", None)
+
+
+def test_a_failing_reward_names_its_module_and_the_exception(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text(
+        "def boom(prompts, completions, answers, **kwargs):\n    raise KeyError('no such field')\n"
+        "def short_list(prompts, completions, answers, **kwargs):\n    return [1.0]\n"
+    )
+    fn = rewards.build_reward_fn(
+        [config.RewardFunctionSettings(name="module", path=str(bad), function="boom")]
+    )
+    with pytest.raises(rewards.RewardError, match=r"bad_reward.py:boom raised KeyError: 'no such field'"):
+        fn.score_batch(["p", "q"], ["a", "b"], ["x", "y"])
+    fn = rewards.build_reward_fn(
+        [config.RewardFunctionSettings(name="module", path=str(bad), function="short_list")]
+    )
+    with pytest.raises(rewards.RewardError, match="must return 2 finite floats"):
+        fn.score_batch(["p", "q"], ["a", "b"], ["x", "y"])

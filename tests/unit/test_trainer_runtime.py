@@ -7,21 +7,36 @@ import json
 import pytest
 
 from rljob_trainer import telemetry_sink
-from rljob_trainer.__main__ import ray_worker_command
+from rljob_trainer.__main__ import ray_head_command, ray_worker_command
 
 
 def test_ray_worker_commands_from_pod_env():
     env = {"RLJOB_RAY_HEAD": "job-trainer-0.job.ns.svc", "RLJOB_RAY_PORT": "6379"}
     assert ray_worker_command(env, "trainer", 1) == [
-        "ray",
-        "start",
-        "--address=job-trainer-0.job.ns.svc:6379",
-        "--block",
+        "ray", "start", "--address=job-trainer-0.job.ns.svc:6379", "--num-gpus=0",
+        '--resources={"rljob_trainer_1": 1}', "--block",
     ]
     cmd = ray_worker_command(env, "rollout", 3)
-    assert json.loads(cmd[-1].split("=", 1)[1]) == {"rljob_rollout_3": 1}
+    assert json.loads(cmd[-2].split("=", 1)[1]) == {"rljob_rollout_3": 1}
     with pytest.raises(ValueError, match="RLJOB_RAY_HEAD"):
         ray_worker_command({}, "rollout", 0)
+
+
+def test_ray_start_advertises_exactly_the_pods_accelerators():
+    gpu = {"RLJOB_RAY_HEAD": "h", "RLJOB_NUM_ACCELERATORS": "4", "RLJOB_RAY_ACCELERATOR": "GPU"}
+    cmd = ray_worker_command(gpu, "trainer", 1)
+    # Explicit, never auto-detected: 4 GPUs, and one trainer-1 marker per bundle of its placement group.
+    assert "--num-gpus=4" in cmd and json.loads(cmd[-2].split("=", 1)[1]) == {"rljob_trainer_1": 4}
+    npu = {**gpu, "RLJOB_RAY_ACCELERATOR": "NPU", "RLJOB_NUM_ACCELERATORS": "2"}
+    cmd = ray_worker_command(npu, "rollout", 0)
+    assert "--num-gpus=0" in cmd  # Ascend devices are Ray's NPU resource, never GPUs
+    assert json.loads(cmd[-2].split("=", 1)[1]) == {"NPU": 2, "rljob_rollout_0": 1}
+    head = ray_head_command(gpu)
+    assert head[:3] == ["ray", "start", "--head"] and json.loads(head[-1].split("=", 1)[1]) == {
+        "rljob_trainer_0": 4
+    }
+    with pytest.raises(ValueError, match="GPU, NPU"):
+        ray_worker_command({**gpu, "RLJOB_RAY_ACCELERATOR": "TPU"}, "trainer", 1)
 
 
 def test_parse_targets_from_rljob_status():

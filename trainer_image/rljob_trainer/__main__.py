@@ -6,6 +6,11 @@ Role: read the role from the environment the operator sets (docs/contracts.md §
     that hosts training ranks (and shared engines);
   - rollout pod j: a Ray worker advertising the custom resource `rljob_rollout_<j>` so the driver
     pins dedicated engine j there.
+Every pod's `ray start` advertises exactly the container's accelerator request (`--num-gpus` for
+nvidia/amd, `{"NPU": n}` for Ascend: $RLJOB_NUM_ACCELERATORS, $RLJOB_RAY_ACCELERATOR) and its pod
+marker (`rljob_trainer_<i>`: one unit per accelerator, which
+the driver's placement groups ask for; `rljob_rollout_<j>`: 1). On failure `run()` writes the
+cause to the container's termination message (`rljob_trainer.termination`).
 Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
 `--local` skips Ray altogether (one rank, same driver code). Callers: the pod command, tests.
 """
@@ -27,16 +32,45 @@ from rljob_trainer import termination
 log = logging.getLogger("rljob_trainer")
 
 
+def ray_resource_args(env: Mapping[str, str], role: str, pod_index: int) -> list[str]:
+    """`ray start` flags advertising this pod's resources exactly (pure: env in, flags out)."""
+    count = int(env.get(config_mod.ENV_NUM_ACCELERATORS) or 0)
+    accelerator = env.get(config_mod.ENV_RAY_ACCELERATOR) or ""
+    if accelerator not in ("", "GPU", "NPU"):
+        raise ValueError(f"{config_mod.ENV_RAY_ACCELERATOR}={accelerator!r}; valid: GPU, NPU or empty")
+    # Always explicit, never auto-detected: a pod gets exactly what its container requested.
+    args = [f"--num-gpus={count if accelerator == 'GPU' else 0}"]
+    resources: dict[str, float] = {}
+    if accelerator == "NPU" and count:
+        resources["NPU"] = count
+    if role == config_mod.ROLE_ROLLOUT:
+        resources[config_mod.rollout_resource_name(pod_index)] = 1
+    else:
+        resources[config_mod.trainer_resource_name(pod_index)] = max(count, 1)
+    args.append("--resources=" + json.dumps(resources, sort_keys=True))
+    return args
+
+
 def ray_worker_command(env: Mapping[str, str], role: str, pod_index: int, ray_bin: str = "ray") -> list[str]:
     """The `ray start` command of a non-driver pod (pure: env in, argv out)."""
     head = env.get(config_mod.ENV_RAY_HEAD)
     if not head:
         raise ValueError(f"{config_mod.ENV_RAY_HEAD} is required for role {role!r} pod {pod_index}")
     port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
-    cmd = [ray_bin, "start", f"--address={head}:{port}", "--block"]
-    if role == config_mod.ROLE_ROLLOUT:
-        cmd.append("--resources=" + json.dumps({config_mod.rollout_resource_name(pod_index): 1}))
-    return cmd
+    return [ray_bin, "start", f"--address={head}:{port}", *ray_resource_args(env, role, pod_index), "--block"]
+
+
+def ray_head_command(env: Mapping[str, str], ray_bin: str = "ray") -> list[str]:
+    """The `ray start --head` command of trainer pod 0 (pure)."""
+    port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
+    return [
+        ray_bin,
+        "start",
+        "--head",
+        f"--port={port}",
+        "--dashboard-host=0.0.0.0",
+        *ray_resource_args(env, config_mod.ROLE_TRAINER, 0),
+    ]
 
 
 def _ray_bin() -> str:
@@ -49,15 +83,18 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
 
     if env.get(config_mod.ENV_RAY_HEAD):
         # In the cluster: a real head other pods join; this process then attaches as the driver.
-        port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
-        subprocess.run(
-            [_ray_bin(), "start", "--head", f"--port={port}", "--dashboard-host=0.0.0.0"], check=True
-        )
+        subprocess.run(ray_head_command(env, _ray_bin()), check=True)
         ray.init(address="auto")
     else:
-        # Laptop/tests: a private instance; simulated rollout pods are custom resources on it.
-        resources = {config_mod.rollout_resource_name(j): 1 for j in range(local_rollout_pods)}
+        # Laptop/tests: one private node standing for every pod (their markers as custom resources).
         d, r = cfg.distributed, cfg.rollout
+        resources: dict[str, float] = {
+            config_mod.rollout_resource_name(j): 1 for j in range(local_rollout_pods)
+        }
+        resources.update({config_mod.trainer_resource_name(i): n for i, n in enumerate(d.pod_ranks)})
+        accelerators = d.num_trainer_ranks + local_rollout_pods * r.tensor_parallel
+        if d.accelerator == "NPU":
+            resources["NPU"] = accelerators
         num_cpus = (
             int(
                 d.num_trainer_ranks * d.rank_num_cpus
@@ -65,7 +102,13 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
             )
             + 1
         )
-        ray.init(num_cpus=num_cpus, resources=resources, include_dashboard=False, log_to_driver=True)
+        ray.init(
+            num_cpus=num_cpus,
+            num_gpus=accelerators if d.accelerator == "GPU" else 0,
+            resources=resources,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,7 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_mod.load_config(
         args.config or env.get(config_mod.ENV_CONFIG_PATH, config_mod.DEFAULT_CONFIG_PATH)
     )
-    from rljob_trainer import driver, telemetry_sink
+    if env.get(config_mod.ENV_TEST_CPU_STANDIN) == "1":
+        log.warning(
+            "%s=1: torch on CPU and the transformers engine (test cluster only)",
+            config_mod.ENV_TEST_CPU_STANDIN,
+        )
+        cfg = config_mod.cpu_standin(cfg)
+    return _run_driver(cfg, args, env)
+
+
+def _run_driver(cfg: config_mod.TrainerConfig, args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from rljob_trainer import driver, runtimes, telemetry_sink
 
     t = cfg.telemetry
     sink = telemetry_sink.TelemetrySink(
@@ -110,11 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     local = args.local or cfg.distributed.launcher == "local"
     if local:
-        runtime: driver.Runtime = driver.LocalRuntime(cfg)
+        runtime: runtimes.Runtime = runtimes.LocalRuntime(cfg)
     else:
         pods = cfg.rollout.dedicated_engines if args.local_rollout_pods is None else args.local_rollout_pods
         _start_ray_driver(cfg, env, pods)
-        runtime = driver.RayRuntime(cfg)
+        runtime = runtimes.RayRuntime(cfg)
     d = driver.GRPODriver(cfg, runtime, sink=sink, metrics_path=args.metrics_jsonl)
     try:
         d.run(args.max_steps)

@@ -31,6 +31,10 @@ ENV_RAY_HEAD = "RLJOB_RAY_HEAD"
 ENV_RAY_PORT = "RLJOB_RAY_PORT"
 ENV_NUM_TRAINER_PODS = "RLJOB_NUM_TRAINER_PODS"
 ENV_TELEMETRY_CONFIGMAP = "RLJOB_TELEMETRY_CONFIGMAP"
+# What the pod's container requests, so `ray start` advertises exactly that to Ray (KubeRay does the
+# same from the container's limits): the count and the Ray resource name (GPU, NPU or empty).
+ENV_NUM_ACCELERATORS = "RLJOB_NUM_ACCELERATORS"
+ENV_RAY_ACCELERATOR = "RLJOB_RAY_ACCELERATOR"
 
 ALL_ENV_VARS: tuple[str, ...] = (
     ENV_CONFIG_PATH,
@@ -42,7 +46,15 @@ ALL_ENV_VARS: tuple[str, ...] = (
     ENV_RAY_PORT,
     ENV_NUM_TRAINER_PODS,
     ENV_TELEMETRY_CONFIGMAP,
+    ENV_NUM_ACCELERATORS,
+    ENV_RAY_ACCELERATOR,
 )
+
+# Test-only switch, set by the test kubelet (tests/testenv/fakelet.py) on its local-exec GPU/NPU
+# nodes and never by the operator: torch runs on CPU (gloo) and the rollout engine is the
+# transformers engine (which obeys vLLM's sleep and weight rules), while every Ray placement
+# decision (GPU/NPU resources, placement groups) stays what the accelerator job asks for.
+ENV_TEST_CPU_STANDIN = "RLJOB_TEST_CPU_STANDIN"
 
 ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
@@ -54,11 +66,21 @@ DEFAULT_RAY_PORT = 6379
 
 # Ray custom resource that marks rollout pod j; the driver places dedicated engine j on it.
 ROLLOUT_RESOURCE_PREFIX = "rljob_rollout_"
+# Ray custom resource that marks trainer pod i (one unit per bundle of its placement group).
+TRAINER_RESOURCE_PREFIX = "rljob_trainer_"
+
+# Ray's names for the accelerators of each Kubernetes accelerator kind.
+RAY_ACCELERATORS: dict[str, str | None] = {"cpu": None, "nvidia": "GPU", "amd": "GPU", "ascend": "NPU"}
 
 
 def rollout_resource_name(pod_index: int) -> str:
     """Ray custom resource name advertised by rollout pod `pod_index` (`rljob_rollout_<j>`)."""
     return f"{ROLLOUT_RESOURCE_PREFIX}{pod_index}"
+
+
+def trainer_resource_name(pod_index: int) -> str:
+    """Ray custom resource name advertised by trainer pod `pod_index` (`rljob_trainer_<i>`)."""
+    return f"{TRAINER_RESOURCE_PREFIX}{pod_index}"
 
 
 class _Model(BaseModel):
@@ -132,6 +154,11 @@ class GRPOSettings(_Model):
     mini_batches_per_step: int = Field(
         1, ge=1, description="Optimizer updates per step; >1 makes updates off-policy so clipping acts."
     )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over the step's mini-batches; old log-probs stay those of the step start.",
+    )
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adv_estimator: str = Field("grpo", description="Advantage estimator name (rljob_trainer.algos registry).")
@@ -186,9 +213,15 @@ class RolloutSettings(_Model):
     )
     dedicated_engines: int = Field(1, ge=0, description="Engines on rollout pods at start.")
     max_dedicated_engines: int = Field(8, ge=0, description="Upper bound the driver accepts from status.")
-    enable_sleep_mode: bool = Field(True, description="vLLM sleep mode for shared engines.")
+    enable_sleep_mode: bool = Field(
+        True, description="vLLM sleep mode for shared engines; false never calls sleep() (they stay awake)."
+    )
+    sleep_level: Literal[1, 2] = Field(
+        2,
+        description="vLLM sleep level of shared engines: 1 keeps weights in host memory, 2 discards them "
+        "(they are reloaded from the trainer when the engine wakes, before it generates).",
+    )
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one engine actor.")
-    engine_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (0 on CPU).")
 
     @model_validator(mode="after")
     def _some_engine(self) -> RolloutSettings:
@@ -200,30 +233,51 @@ class RolloutSettings(_Model):
 # ---- data and rewards ----------------------------------------------------------------------------
 class DataSettings(_Model):
     builtin: str | None = Field("toy-arithmetic", description="Name of a dataset shipped with the package.")
-    path: str | None = Field(None, description="JSONL file with one object per line (overrides builtin).")
+    path: str | None = Field(
+        None,
+        description="A .jsonl, .json, .parquet or .arrow file, a directory of them, or a "
+        "`Dataset.save_to_disk` folder (overrides builtin).",
+    )
+    hub_id: str | None = Field(
+        None,
+        description="Hugging Face dataset id (or a local dataset folder), read with datasets.load_dataset.",
+    )
+    hub_subset: str | None = Field(None, description="Configuration (subset) of the hub dataset.")
+    hub_split: str = Field("train", description="Split of the hub dataset (or of a path's files).")
+    hub_token_env: str | None = Field(
+        None, description="Name of the env var holding the hub token (HF_ENDPOINT is read from the env)."
+    )
     prompt_field: str = Field("prompt")
     answer_field: str = Field("answer")
+    chat_template: bool = Field(
+        False, description="Wrap each prompt as a user message with the tokenizer's chat template."
+    )
     shuffle: bool = Field(True, description="Reshuffle every epoch with a seed derived from grpo.seed.")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSettings:
-        if not self.builtin and not self.path:
-            raise ValueError("data needs data.builtin or data.path")
+        if not self.builtin and not self.path and not self.hub_id:
+            raise ValueError("data needs data.builtin, data.path or data.hubId")
         return self
 
 
 class RewardFunctionSettings(_Model):
     name: Literal["mathAccuracy", "format", "module"] = Field(...)
     weight: float = Field(1.0)
-    module: str | None = Field(None, description="Import path of a user module (name=module).")
+    import_path: str | None = Field(None, description="Importable module of a user reward (name=module).")
+    path: str | None = Field(None, description="A .py file of a user reward (name=module).")
     function: str | None = Field(
-        None, description="Function in `module`: f(prompt: str, response: str, answer: str) -> float."
+        None,
+        description="Function in the module: fn(prompts, completions, answers, **kwargs) -> list[float].",
     )
 
     @model_validator(mode="after")
     def _module_fields(self) -> RewardFunctionSettings:
-        if self.name == "module" and not (self.module and self.function):
-            raise ValueError("rewards[].module and rewards[].function are required when name is 'module'")
+        if self.name == "module" and not (bool(self.import_path) != bool(self.path) and self.function):
+            raise ValueError(
+                "rewards[].function and exactly one of rewards[].importPath or rewards[].path are "
+                "required when name is 'module'"
+            )
         return self
 
 
@@ -257,8 +311,22 @@ class DistributedSettings(_Model):
         "ray", description="ray: ranks and engines are Ray actors; local: one process, threads (tests)."
     )
     rank_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one training rank actor.")
-    rank_num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per training rank actor.")
+    accelerator: Literal["GPU", "NPU"] | None = Field(
+        None,
+        description="Ray resource of one trainer/engine accelerator (GPU for nvidia/amd, NPU for Ascend); "
+        "None on CPU. Each rank holds one, shared with a colocated engine.",
+    )
+    trainer_pod_ranks: list[int] | None = Field(
+        None,
+        description="Training ranks (= accelerators) of each trainer pod, in pod order; a placement "
+        "group per pod pins them there. None: all ranks on one node (local runs).",
+    )
     torch_threads_per_rank: int | None = Field(None, ge=1, description="torch.set_num_threads per rank.")
+
+    @property
+    def pod_ranks(self) -> list[int]:
+        """Ranks of each trainer pod (one pod holding every rank when `trainer_pod_ranks` is unset)."""
+        return list(self.trainer_pod_ranks or [self.num_trainer_ranks])
 
 
 class TrainerConfig(_Model):
@@ -278,6 +346,12 @@ class TrainerConfig(_Model):
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainerConfig:
+        pods = self.distributed.trainer_pod_ranks
+        if pods is not None and sum(pods) != self.distributed.num_trainer_ranks:
+            raise ValueError(
+                f"distributed.trainerPodRanks {pods} must sum to distributed.numTrainerRanks "
+                f"({self.distributed.num_trainer_ranks})"
+            )
         samples = self.grpo.group_size * self.grpo.prompts_per_step
         if samples % self.grpo.mini_batches_per_step:
             raise ValueError(
@@ -289,6 +363,17 @@ class TrainerConfig(_Model):
     @property
     def samples_per_step(self) -> int:
         return self.grpo.group_size * self.grpo.prompts_per_step
+
+
+def cpu_standin(config: TrainerConfig) -> TrainerConfig:
+    """`config` with torch on CPU (gloo) and the transformers engine, placement unchanged: what a
+    local-exec GPU/NPU node of the test cluster runs (`ENV_TEST_CPU_STANDIN`; never the operator)."""
+    data = config.model_dump()
+    data["distributed"].update(device="cpu", backend="gloo")
+    data["rollout"]["kind"] = "transformers"
+    if data["model"]["dtype"] != "float32":
+        data["model"]["dtype"] = "float32"  # CPU kernels for bf16/fp16 are slow or missing
+    return TrainerConfig.model_validate(data)
 
 
 def parse_config(data: dict[str, Any]) -> TrainerConfig:

@@ -1,15 +1,18 @@
 """Prompt datasets and the deterministic, resumable prompt sampler.
 
 Role: load (prompt, answer) examples from a dataset shipped with the package (`datasets/*.jsonl`,
-written by hand for this project, nothing downloaded) or from a JSONL file on a volume, and hand
-out prompt indices in a seeded order whose position is saved in checkpoints. Pure apart from
-reading the file; randomness comes only from the seed passed in. Callers: `rljob_trainer.driver`,
-tests.
+written by hand for this project, nothing downloaded), from files on a volume (a `.jsonl`, `.json`,
+`.parquet` or `.arrow` file, a directory of them, or a `Dataset.save_to_disk` folder) or from the
+Hugging Face Hub (id, subset, split; `HF_ENDPOINT` and the token from the environment), all through
+the `datasets` library; encode prompts (optionally with the tokenizer's chat template); and hand
+out prompt indices in a seeded order whose position is saved in checkpoints. Randomness comes only
+from the seed passed in. Callers: `rljob_trainer.driver`, tests.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -47,16 +50,107 @@ def _read_jsonl(text: str, prompt_field: str, answer_field: str, source: str) ->
     return out
 
 
+# `datasets` builder of each file suffix.
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def _data_files(path: Path) -> tuple[str, list[str]]:
+    """(builder, files) of a data file or a directory of data files (one format)."""
+    if path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(
+                f"data file {path}: unsupported suffix {path.suffix!r}; use {', '.join(FILE_BUILDERS)}"
+            )
+        return builder, [str(path)]
+    if not path.is_dir():
+        raise ValueError(f"data path {path} does not exist (is the volume mounted at that path?)")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_BUILDERS)
+    builders = {FILE_BUILDERS[p.suffix] for p in files}
+    if not files:
+        raise ValueError(f"data directory {path} holds no {', '.join(FILE_BUILDERS)} files")
+    if len(builders) > 1:
+        raise ValueError(f"data directory {path} mixes formats {sorted(builders)}; keep one per directory")
+    return builders.pop(), [str(p) for p in files]
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    # `Dataset.save_to_disk` writes state.json + dataset_info.json; a DatasetDict writes dataset_dict.json.
+    return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def _rows_from_path(path: Path, split: str) -> Any:
+    import datasets
+
+    if _is_saved_dataset(path):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"saved dataset {path} has splits {sorted(loaded)}, not {split!r}")
+            return loaded[split]
+        return loaded
+    builder, files = _data_files(path)
+    return datasets.load_dataset(builder, data_files=files, split="train")
+
+
+def _rows_from_hub(settings: config_mod.DataSettings) -> Any:
+    import datasets
+
+    token = os.environ.get(settings.hub_token_env) if settings.hub_token_env else None
+    # HF_ENDPOINT (a mirror or a private hub) is read by huggingface_hub from the environment.
+    return datasets.load_dataset(
+        settings.hub_id, settings.hub_subset, split=settings.hub_split, token=token or None
+    )
+
+
+def _examples_from_rows(rows: Any, prompt_field: str, answer_field: str, source: str) -> list[Example]:
+    columns = set(rows.column_names)
+    missing = [f for f in (prompt_field, answer_field) if f not in columns]
+    if missing:
+        raise ValueError(
+            f"{source}: no field {missing[0]!r}; the records have {sorted(columns)} "
+            "(set spec.data.promptField / answerField)"
+        )
+    out = [
+        Example(prompt=str(p), answer=str(a))
+        for p, a in zip(rows[prompt_field], rows[answer_field], strict=True)
+    ]
+    if not out:
+        raise ValueError(f"{source}: no examples")
+    return out
+
+
 def load_examples(settings: config_mod.DataSettings) -> list[Example]:
-    """The examples `settings` names (data.path wins over data.builtin)."""
+    """The examples `settings` names (data.hubId, then data.path, win over data.builtin)."""
+    if settings.hub_id:
+        rows = _rows_from_hub(settings)
+        return _examples_from_rows(
+            rows, settings.prompt_field, settings.answer_field, f"hub:{settings.hub_id}"
+        )
     if settings.path:
-        text = Path(settings.path).read_text()
-        return _read_jsonl(text, settings.prompt_field, settings.answer_field, settings.path)
+        rows = _rows_from_path(Path(settings.path), settings.hub_split)
+        return _examples_from_rows(rows, settings.prompt_field, settings.answer_field, settings.path)
     names = builtin_datasets()
     if settings.builtin not in names:
         raise ValueError(f"unknown builtin dataset {settings.builtin!r}; valid names: {', '.join(names)}")
     text = (resources.files("rljob_trainer") / "datasets" / f"{settings.builtin}.jsonl").read_text()
     return _read_jsonl(text, "prompt", "answer", f"builtin:{settings.builtin}")
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: the raw text, or one user message rendered by the tokenizer's chat
+    template with the generation prompt appended (what a chat model was trained to answer)."""
+    if not chat_template:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "data.chatTemplate is true but the tokenizer has no chat template; set it to false or use "
+            "a model whose tokenizer_config.json has one"
+        )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from rljob_trainer import (
     data,
     dispatcher,
     dp_balance,
-    engines,
     modeling,
     rewards,
+    runtimes,
     telemetry,
     telemetry_sink,
     trainer,
@@ -45,129 +45,11 @@ from rljob_trainer.engines import base
 log = logging.getLogger("rljob_trainer.driver")
 
 
-# ---- hosts and runtimes ------------------------------------------------------------------------
-class Host:
-    """A training rank or an engine behind one `call(method, *args)` door (a Ray actor class too)."""
-
-    def __init__(self, kind: str, cfg: config_mod.TrainerConfig, **kwargs: Any) -> None:
-        import torch
-
-        threads = cfg.distributed.torch_threads_per_rank
-        if threads:
-            torch.set_num_threads(threads)
-        if kind == "rank":
-            self.obj: Any = trainer.TrainingRank(cfg, kwargs["rank"], kwargs["world_size"])
-        elif kind == "engine":
-            self.obj = engines.build_engine(cfg, name=kwargs["name"], colocated=kwargs["colocated"])
-        else:
-            raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine")
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.obj, method)(*args)
-
-
-@dataclass(eq=False)
-class _Done:
-    """A finished local call (hashable by identity, like a Ray ObjectRef)."""
-
-    value: Any
-
-
-class LocalRuntime:
-    """Everything in this process: one training rank, engines as plain objects (fast tests, debugging)."""
-
-    kind = "local"
-
-    def __init__(self, cfg: config_mod.TrainerConfig) -> None:
-        if cfg.distributed.num_trainer_ranks != 1:
-            raise ValueError(
-                "local mode runs one training rank; set distributed.numTrainerRanks to 1 or use "
-                "distributed.launcher 'ray'"
-            )
-        self.cfg = cfg
-
-    def create_ranks(self, world_size: int) -> list[Any]:
-        return [Host("rank", self.cfg, rank=0, world_size=world_size)]
-
-    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
-        del pod_index
-        return Host("engine", self.cfg, name=name, colocated=colocated)
-
-    def submit(self, handle: Any, method: str, *args: Any) -> Any:
-        return _Done(handle.call(method, *args))
-
-    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
-        return list(futures)
-
-    def get(self, futures: Any) -> Any:
-        if isinstance(futures, list):
-            return [f.value for f in futures]
-        return futures.value
-
-    def rollout_pods(self) -> list[int]:
-        return list(range(self.cfg.rollout.max_dedicated_engines))
-
-    def kill(self, handle: Any) -> None:
-        del handle
-
-    def shutdown(self) -> None:
-        pass
-
-
-class RayRuntime:
-    """Ranks and engines as Ray actors on the cluster trainer pod 0 heads."""
-
-    kind = "ray"
-
-    def __init__(self, cfg: config_mod.TrainerConfig) -> None:
-        import ray
-
-        self.cfg = cfg
-        self._ray = ray
-        self._host_cls = ray.remote(Host)
-
-    def create_ranks(self, world_size: int) -> list[Any]:
-        d = self.cfg.distributed
-        opts = {"num_cpus": d.rank_num_cpus, "num_gpus": d.rank_num_gpus}
-        return [
-            self._host_cls.options(**opts).remote("rank", self.cfg, rank=r, world_size=world_size)
-            for r in range(world_size)
-        ]
-
-    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
-        r = self.cfg.rollout
-        opts: dict[str, Any] = {"num_cpus": r.engine_num_cpus, "num_gpus": r.engine_num_gpus}
-        if pod_index is not None:
-            opts["resources"] = {config_mod.rollout_resource_name(pod_index): 1}
-        return self._host_cls.options(**opts).remote("engine", self.cfg, name=name, colocated=colocated)
-
-    def submit(self, handle: Any, method: str, *args: Any) -> Any:
-        return handle.call.remote(method, *args)
-
-    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
-        done, _ = self._ray.wait(list(futures), num_returns=1)
-        return done
-
-    def get(self, futures: Any) -> Any:
-        return self._ray.get(futures)
-
-    def rollout_pods(self) -> list[int]:
-        """Rollout pods that have joined the cluster (they advertise `rljob_rollout_<j>`)."""
-        prefix = config_mod.ROLLOUT_RESOURCE_PREFIX
-        pods = []
-        for key in self._ray.cluster_resources():
-            if key.startswith(prefix) and key[len(prefix) :].isdigit():
-                pods.append(int(key[len(prefix) :]))
-        return sorted(pods)
-
-    def kill(self, handle: Any) -> None:
-        self._ray.kill(handle)
-
-    def shutdown(self) -> None:
-        pass
-
-
-Runtime = LocalRuntime | RayRuntime
+# The runtimes live in `rljob_trainer.runtimes`; these names stay importable from here.
+Host = runtimes.Host
+LocalRuntime = runtimes.LocalRuntime
+RayRuntime = runtimes.RayRuntime
+Runtime = runtimes.Runtime
 
 
 # ---- pure helpers --------------------------------------------------------------------------------
@@ -206,11 +88,16 @@ def shard_for_ranks(
 # ---- the driver ----------------------------------------------------------------------------------
 @dataclass
 class _Engine:
+    """The driver's view of one engine: `awake` = serves this step's requests (the dispatcher's view);
+    `asleep` = the engine itself sleeps (vLLM sleep mode); `version` = weights version it holds."""
+
     name: str
     handle: Any
     colocated: bool
     pod_index: int | None
     awake: bool = True
+    asleep: bool = False
+    version: int = 0
 
 
 @dataclass
@@ -251,6 +138,7 @@ class GRPODriver:
         self.shared_awake_target = cfg.rollout.shared_engines if cfg.rollout.dedicated_engines == 0 else 0
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
+        self._weights: tuple[int, Any] | None = None
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -261,12 +149,49 @@ class GRPODriver:
         log.info("training ranks ready: %s", infos)
         for i in range(self.cfg.rollout.shared_engines):
             self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
-        self._reconcile_dedicated()
         self._resume()
-        self._sync_weights()
-        self._apply_shared_sleep(generating=False)
+        self._reconcile_dedicated()
+        self.placement = self.check_placement()
+        self._sync_awake_engines()
+        self._sleep_shared_engines()
         self._last_sync = self.clock()
         self.dispatcher.close_interval()
+
+    def check_placement(self) -> list[dict[str, Any]]:
+        """Ray's record of where every rank and engine runs, checked against the plan; logged as one
+        `placement: [...]` JSON line. Raises naming the first actor that is not in its planned pod."""
+        if not isinstance(self.rt, runtimes.RayRuntime):
+            return []
+        actors: list[tuple[str, Any, str]] = [
+            (f"rank-{r}", h, slot.pod)
+            for r, (h, slot) in enumerate(zip(self.ranks, self.rt.rank_slots(), strict=True))
+        ]
+        for name, eng in sorted(self.engines.items()):
+            slot = self.rt.engine_slot(name, colocated=eng.colocated, pod_index=eng.pod_index)
+            actors.append((name, eng.handle, slot.pod))
+        records = self.rt.get([self.rt.where(h) for _, h, _ in actors])
+        pods = self.rt.node_pods()
+        out = []
+        for (name, _, planned), rec in zip(actors, records, strict=True):
+            where = pods.get(rec["node_id"])
+            out.append(
+                {"actor": name, "pod": where, "planned": planned, "accelerators": rec["accelerator_ids"]}
+            )
+            if where != planned:
+                raise RuntimeError(
+                    f"{name} runs on Ray node of {where}, but the placement plan puts it on {planned}"
+                )
+        log.info("placement: %s", json.dumps(out, sort_keys=True))
+        return out
+
+    @property
+    def weights_version(self) -> int:
+        """Version of the trainer's current weights: the number of steps trained."""
+        return self.state.step
+
+    @property
+    def _sleep_mode(self) -> bool:
+        return self.cfg.rollout.enable_sleep_mode
 
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
@@ -298,22 +223,62 @@ class GRPODriver:
                 self._update_engine_weights([f"dedicated-{j}"])
                 have.append(j)
 
-    def _apply_shared_sleep(self, *, generating: bool) -> None:
-        """Shared engines are awake only while generating, and only as many as the target (or all
-        when there is no dedicated engine)."""
+    # ---- the engine order (vLLM's RL recipe, one code path for both engines) ---------------------
+    # After training: every engine that is awake (dedicated ones; shared ones without sleep mode)
+    # takes the new weights at once. Shared engines with sleep mode slept at level 2 right after
+    # they generated; before they generate again: wake(tags=["weights"]), load the current weights,
+    # wake(tags=["kv_cache"]). So weights never move into a sleeping engine (vLLM refuses that) and
+    # a level-2 engine never generates from discarded weights.
+    def _generating_shared(self) -> list[str]:
+        """Shared engines that serve this step: the target number, or all without a dedicated engine."""
         shared = sorted(n for n, e in self.engines.items() if e.colocated)
         dedicated_up = any(not e.colocated for e in self.engines.values())
         want = self.shared_awake_target if dedicated_up else len(shared)
-        futures, names = [], []
-        for i, name in enumerate(shared):
-            awake = generating and i < want
-            eng = self.engines[name]
+        return shared[:want]
+
+    def _prepare_generation(self) -> None:
+        """Wake (weights, load, KV cache) the shared engines that generate now; mark who serves."""
+        serving = set(self._generating_shared())
+        waking = [n for n in sorted(serving) if self.engines[n].asleep]
+        if waking:
+            self.rt.get([self.rt.submit(self.engines[n].handle, "wake", ["weights"]) for n in waking])
+        stale = [n for n in sorted(serving) if self.engines[n].version != self.weights_version]
+        if stale:
+            self._update_engine_weights(stale)
+        if waking:
+            self.rt.get([self.rt.submit(self.engines[n].handle, "wake", ["kv_cache"]) for n in waking])
+            for n in waking:
+                self.engines[n].asleep = False
+        for name, eng in self.engines.items():
+            awake = not eng.colocated or name in serving
             if eng.awake != awake:
-                futures.append(self.rt.submit(eng.handle, "wake" if awake else "sleep"))
-                names.append(name)
                 eng.awake = awake
                 self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
-        self.rt.get(futures)
+
+    def _sleep_shared_engines(self) -> None:
+        """Shared engines free the accelerators for training (level `rollout.sleepLevel`); never
+        without sleep mode. Every shared engine leaves the dispatcher until it is woken."""
+        level = self.cfg.rollout.sleep_level
+        sleeping = []
+        for name, eng in self.engines.items():
+            if not eng.colocated:
+                continue
+            if self._sleep_mode and not eng.asleep:
+                sleeping.append(name)
+            if eng.awake:
+                eng.awake = False
+                self.dispatcher.set_engine(name, awake=False, capacity=self.cfg.rollout.max_num_seqs)
+        self.rt.get([self.rt.submit(self.engines[n].handle, "sleep", level) for n in sleeping])
+        for n in sleeping:
+            self.engines[n].asleep = True
+            if level == 2:
+                self.engines[n].version = -1  # discarded: reloaded when it wakes, whatever the version
+
+    def _sync_awake_engines(self) -> None:
+        """Right after training: the new weights into every engine that is not asleep."""
+        names = [n for n, e in self.engines.items() if not e.asleep and e.version != self.weights_version]
+        if names:
+            self._update_engine_weights(names)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -347,20 +312,29 @@ class GRPODriver:
         return path
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _sync_weights(self) -> None:
-        self._update_engine_weights(list(self.engines))
-
-    def _update_engine_weights(self, names: Sequence[str]) -> None:
+    def _current_weights(self) -> Any:
+        """The trainer's merged weights of this version (fetched once per version from the ranks)."""
+        if self._weights is not None and self._weights[0] == self.weights_version:
+            return self._weights[1]
         futures = [self.rt.submit(r, "engine_weights") for r in self.ranks]
         weights = futures[0]  # rank 0 holds the full merged weights; the others only take part
         self.rt.get(futures[1:])
-        if isinstance(self.rt, LocalRuntime):
+        if isinstance(self.rt, runtimes.LocalRuntime):
             weights = self.rt.get(weights)
-        self.rt.get([self.rt.submit(self.engines[n].handle, "update_weights", weights) for n in names])
+        self._weights = (self.weights_version, weights)
+        return weights
+
+    def _update_engine_weights(self, names: Sequence[str]) -> None:
+        weights, version = self._current_weights(), self.weights_version
+        self.rt.get(
+            [self.rt.submit(self.engines[n].handle, "update_weights", weights, version) for n in names]
+        )
+        for n in names:
+            self.engines[n].version = version
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
         return ids[-self.cfg.lengths.max_prompt_tokens :]
 
     def _generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[base.GenerationOutput]:
@@ -409,30 +383,25 @@ class GRPODriver:
         prompt_ids = [self._encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
         seeds = [sample_seed(g.seed, step, i) for i in range(len(prompt_ids))]
 
-        self._apply_shared_sleep(generating=True)
         t_gen = self.clock()
+        self._prepare_generation()
         outs = self._generate(prompt_ids, seeds)
+        self._sleep_shared_engines()
         gen_s = self.clock() - t_gen
-        self._apply_shared_sleep(generating=False)
 
-        totals, parts = [], []
-        for p, out in zip(group_ids, outs, strict=True):
-            ex = self.examples[idx[p]]
-            text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
-            total, comp = self.reward_fn.score(ex.prompt, text, ex.answer)
-            totals.append(total)
-            parts.append(comp)
+        completions = [self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs]
+        exs = [self.examples[idx[p]] for p in group_ids]
+        totals, parts = self.reward_fn.score_batch(
+            [e.prompt for e in exs], completions, [e.answer for e in exs]
+        )
         import torch
 
         adv = self.adv_fn(
             torch.tensor(totals, dtype=torch.float32), torch.tensor(group_ids), norm_by_std=g.norm_adv_by_std
         ).tolist()
-        samples = [
-            trainer.TrainSample(
-                tuple(o.prompt_token_ids), tuple(o.token_ids) or (self.tokenizer.eos_token_id,), a
-            )
-            for o, a in zip(outs, adv, strict=True)
-        ]
+        eos = self.tokenizer.eos_token_id
+        samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
+        versions = [s.weights_version for s in samples]
 
         world = len(self.ranks)
         per_rank: list[list[trainer.RankMiniBatch]] = [[] for _ in range(world)]
@@ -451,22 +420,28 @@ class GRPODriver:
         t_train = self.clock()
         stats = self.rt.get([self.rt.submit(h, "train_step", per_rank[r]) for r, h in enumerate(self.ranks)])
         train_s = self.clock() - t_train
-        t_sync = self.clock()
-        self._sync_weights()
-        sync_s = self.clock() - t_sync
-
         self.state.step = step
         self.state.sampler = sampler_next
+        t_sync = self.clock()
+        self._sync_awake_engines()  # dedicated engines now; sleeping shared ones when they wake
+        sync_s = self.clock() - t_sync
         tokens = sum(s["tokens"] for s in stats)
         resp_lens = [len(o.token_ids) for o in outs]
         metrics: dict[str, Any] = {
             "step": step,
             "mean_reward": sum(totals) / len(totals),
-            **{f"reward/{k}": sum(c[k] for c in parts) / len(parts) for k in parts[0]},
+            **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()},
             "loss": sum(s["loss"] for s in stats),
             "pg_loss": sum(s["pg_loss"] for s in stats),
+            "pg_loss_updates": [sum(u) for u in zip(*(s["pg_loss_updates"] for s in stats), strict=True)],
             "kl": sum(s["kl"] for s in stats),
-            "clipfrac": sum(s["clipfrac_tokens"] for s in stats) / max(sum(resp_lens), 1),
+            "clipfrac": sum(s["clipfrac_tokens"] for s in stats)
+            / max(sum(s["loss_tokens"] for s in stats), 1),
+            # mean |trainer - engine| log-prob over response tokens, before any update of the step
+            "rollout/logprob_diff": sum(s["logprob_diff_sum"] for s in stats)
+            / max(sum(s["logprob_diff_tokens"] for s in stats), 1),
+            "rollout/weights_version_min": min(versions),
+            "rollout/staleness_max": step - 1 - min(versions),
             "grad_norm": stats[0]["grad_norm"],
             "response_len_mean": sum(resp_lens) / len(resp_lens),
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,

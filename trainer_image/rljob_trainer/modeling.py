@@ -29,6 +29,12 @@ CHARSETS: dict[str, str] = {
     "builtin-digits": "0123456789+-*=# ",
 }
 
+# A minimal chat template for the printable-ASCII tokenizer, so `data.chatTemplate` runs on tiny models.
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,7 +89,10 @@ def tiny_hf_config(
 def load_tokenizer(settings: config_mod.ModelSettings) -> PreTrainedTokenizerFast:
     """The tokenizer for `settings`: built in code (builtin-*) or loaded next to the weights."""
     if settings.tokenizer in CHARSETS:
-        return build_char_tokenizer(CHARSETS[settings.tokenizer])
+        tok = build_char_tokenizer(CHARSETS[settings.tokenizer])
+        if settings.tokenizer == "builtin-char":
+            tok.chat_template = CHAR_CHAT_TEMPLATE
+        return tok
     from transformers import AutoTokenizer
 
     src, kwargs = _source(settings)

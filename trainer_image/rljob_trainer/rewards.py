@@ -1,22 +1,38 @@
 """Verifiable rewards: final-answer extraction, math accuracy, format, user modules, and the registry.
 
 Role: turn (prompt, response, reference answer) strings into scalar rewards. Pure string functions;
-the only side effect is importing a user module named in the config. Callers:
+the only side effect is loading a user module named in the config: `importPath` (a module in the
+image) or `path` (a `.py` file, e.g. on a mounted ConfigMap or PVC). Callers:
 `rljob_trainer.driver` (through `build_reward_fn`), tests.
 
-A reward function has the signature `f(prompt: str, response: str, answer: str) -> float`.
+One batch signature, the one the CRD documents and the driver calls (like TRL's reward functions):
+`fn(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]`.
+The builtins are written per sample (`math_accuracy(prompt, response, answer) -> float`) and lifted
+to it by `batched`. A user function that raises, or returns the wrong number of values, fails the
+step with `RewardError` naming the module, the function and the exception.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import math
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rljob_trainer import config as config_mod
 
 RewardFn = Callable[[str, str, str], float]
+BatchRewardFn = Callable[..., Sequence[float]]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed: the message names the function, its module and the exception."""
+
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 _HASHES_RE = re.compile(r"####\s*(" + _NUMBER + r"|\S+)")
@@ -94,6 +110,19 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
+def batched(fn: RewardFn) -> BatchRewardFn:
+    """A per-sample reward as a batch reward function."""
+
+    def batch(
+        prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], **kwargs: Any
+    ) -> list[float]:
+        del kwargs
+        return [fn(p, c, a) for p, c, a in zip(prompts, completions, answers, strict=True)]
+
+    batch.__name__ = getattr(fn, "__name__", "reward")
+    return batch
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """Look up a builtin reward by name; ValueError lists the valid names."""
     try:
@@ -105,41 +134,90 @@ def get_reward_fn(name: str) -> RewardFn:
         ) from None
 
 
-def load_user_reward(module: str, function: str) -> RewardFn:
-    """Import `module` and return its callable `function` (a user-supplied reward)."""
-    mod = importlib.import_module(module)
+def _load_module(*, import_path: str | None, path: str | None) -> Any:
+    if import_path:
+        return importlib.import_module(import_path)
+    file = Path(str(path))
+    if file.suffix != ".py" or not file.is_file():
+        raise ValueError(f"reward module path {file} is not a .py file (is its volume mounted?)")
+    name = f"rljob_user_reward_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward module path {file} cannot be loaded as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_user_reward(
+    *, function: str, import_path: str | None = None, path: str | None = None
+) -> BatchRewardFn:
+    """The callable `function` of a user module: `import_path` (importable) or `path` (a .py file).
+    It is called as `fn(prompts, completions, answers, **kwargs) -> list[float]`."""
+    if bool(import_path) == bool(path):
+        raise ValueError("a reward module needs exactly one of importPath or path")
+    where = import_path or str(path)
+    try:
+        mod = _load_module(import_path=import_path, path=path)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise RewardError(f"reward module {where}: loading failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, function, None)
     if not callable(fn):
-        raise ValueError(f"reward module {module!r} has no callable {function!r}")
+        raise ValueError(f"reward module {where} has no callable {function!r}")
     return fn
 
 
 @dataclass(frozen=True)
 class WeightedReward:
-    """The configured reward: Σ weight_i · f_i(prompt, response, answer)."""
+    """The configured reward: Σ weight_i · fn_i(prompts, completions, answers)."""
 
     names: tuple[str, ...]
     weights: tuple[float, ...]
-    fns: tuple[RewardFn, ...]
+    fns: tuple[BatchRewardFn, ...]
+
+    def score_batch(
+        self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], **kwargs: Any
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """(totals, {name: unweighted values}) for a batch; `RewardError` names a failing function."""
+        n = len(completions)
+        parts: dict[str, list[float]] = {}
+        for name, fn in zip(self.names, self.fns, strict=True):
+            try:
+                values = [float(v) for v in fn(list(prompts), list(completions), list(answers), **kwargs)]
+            except Exception as e:
+                raise RewardError(f"reward {name} raised {type(e).__name__}: {e}") from e
+            if len(values) != n or not all(math.isfinite(v) for v in values):
+                raise RewardError(
+                    f"reward {name} must return {n} finite floats (one per completion), got "
+                    f"{len(values)}: {values[:4]}"
+                )
+            parts[name] = values
+        totals = [
+            sum(w * parts[name][i] for name, w in zip(self.names, self.weights, strict=True))
+            for i in range(n)
+        ]
+        return totals, parts
 
     def score(self, prompt: str, response: str, answer: str) -> tuple[float, dict[str, float]]:
-        """(total, {name: unweighted component})."""
-        parts = {n: float(f(prompt, response, answer)) for n, f in zip(self.names, self.fns, strict=True)}
-        total = sum(w * parts[n] for n, w in zip(self.names, self.weights, strict=True))
-        return total, parts
+        """(total, {name: unweighted component}) of one sample."""
+        totals, parts = self.score_batch([prompt], [response], [answer])
+        return totals[0], {k: v[0] for k, v in parts.items()}
 
 
 def build_reward_fn(settings: Sequence[config_mod.RewardFunctionSettings]) -> WeightedReward:
     """The weighted reward the config asks for."""
     names: list[str] = []
-    fns: list[RewardFn] = []
+    fns: list[BatchRewardFn] = []
     for s in settings:
         if s.name == "module":
-            if not (s.module and s.function):
-                raise ValueError("rewards[].module and rewards[].function are required for name 'module'")
-            fns.append(load_user_reward(s.module, s.function))
-            names.append(f"{s.module}:{s.function}")
+            if not s.function:
+                raise ValueError("rewards[].function is required for name 'module'")
+            fns.append(load_user_reward(function=s.function, import_path=s.import_path, path=s.path))
+            names.append(f"{s.import_path or s.path}:{s.function}")
         else:
-            fns.append(get_reward_fn(s.name))
+            fns.append(batched(get_reward_fn(s.name)))
             names.append(s.name)
     return WeightedReward(tuple(names), tuple(s.weight for s in settings), tuple(fns))

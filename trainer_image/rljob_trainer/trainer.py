@@ -3,10 +3,11 @@
 Role: holds the policy (LoRA via peft or full fine-tuning), its optimizer and, when a KL penalty is
 on, the reference (the base with adapters disabled under LoRA, a frozen copy under full FT). Per
 step it gets its DP-balanced shard of every mini-batch from the driver, computes old (and
-reference) log-probs in a forward-only pass, then runs micro-batches planned by
-`rljob_trainer.microbatch` (the planner the DP-balance simulation uses), packed through
-`rljob_trainer.packing` (`use_cache=False`) or padded, and steps the optimizer after clipping the
-gradient norm. Callers: `rljob_trainer.driver` (as a Ray actor, or in-process in local mode), tests.
+reference) log-probs of the whole step in a forward-only pass before any update, then runs
+micro-batches planned by `rljob_trainer.microbatch` (the planner the DP-balance simulation uses),
+packed through `rljob_trainer.packing` (`use_cache=False`) or padded, and steps the optimizer
+after clipping the gradient norm. Callers: `rljob_trainer.driver` (as a Ray actor, or in-process
+in local mode), tests.
 
 Parallelism: gloo + DDP on CPU, NCCL (CUDA) or HCCL (Ascend) + FSDP2 `fully_shard` on
 accelerators. Every rank runs the same number of micro-batches per mini-batch (all-reduce MAX of
@@ -35,18 +36,35 @@ from rljob_trainer import config as config_mod
 class TrainSample:
     """One rollout as the trainer sees it: prompt + response token ids and the GRPO advantage.
 
-    `side` holds per-token arrays aligned with prompt+response (e.g. `mm_token_type_ids`); they are
-    packed with the ids and passed to the model.
+    `rollout_logprobs` are the engine's log-probs of `response_ids` (what it sampled with; empty when
+    unknown) and `weights_version` the trainer step whose weights generated it. `side` holds
+    per-token arrays aligned with prompt+response (e.g. `mm_token_type_ids`); they are packed with
+    the ids and passed to the model.
     """
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     advantage: float
     side: dict[str, Any] = field(default_factory=dict)
+    rollout_logprobs: tuple[float, ...] = ()
+    weights_version: int = 0
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def sample_from_output(out: Any, advantage: float, *, eos_id: int) -> TrainSample:
+    """A `TrainSample` from an engine's `GenerationOutput` (an empty response trains on one EOS)."""
+    response = tuple(out.token_ids)
+    logprobs = tuple(out.logprobs) if response and len(out.logprobs) == len(response) else ()
+    return TrainSample(
+        tuple(out.prompt_token_ids),
+        response or (eos_id,),
+        advantage,
+        rollout_logprobs=logprobs,
+        weights_version=int(out.meta.get("version", 0)),
+    )
 
 
 @dataclass(frozen=True)
@@ -147,7 +165,9 @@ class TrainingRank:
         threads = self.cfg.distributed.torch_threads_per_rank
         if threads:
             torch.set_num_threads(threads)
-        if self.world_size > 1 and not dist.is_initialized():
+        # Accelerators always run FSDP2, so they always need a process group (world size 1 too).
+        needs_group = self.world_size > 1 or self.device_kind != "cpu"
+        if needs_group and not dist.is_initialized():
             dist.init_process_group(
                 backend=self.backend,
                 init_method=f"tcp://{master_addr}:{master_port}",
@@ -184,9 +204,9 @@ class TrainingRank:
         }
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world_size == 1:
-            return model
         if self.device_kind == "cpu":
+            if self.world_size == 1:
+                return model
             from torch.nn.parallel import DistributedDataParallel
 
             return DistributedDataParallel(model)
@@ -272,23 +292,52 @@ class TrainingRank:
         wrapped.set_requires_gradient_sync(enabled)  # FSDP2
         return contextlib.nullcontext()
 
-    def train_step(self, mini_batches: Sequence[RankMiniBatch]) -> dict[str, float]:
-        """One GRPO step: old/ref log-probs, then one optimizer update per mini-batch.
+    def train_step(self, mini_batches: Sequence[RankMiniBatch]) -> dict[str, Any]:
+        """One GRPO step: old (and reference) log-probs of every mini-batch first, from the weights
+        the step starts with, then `ppoEpochs` passes of one optimizer update per mini-batch. So from
+        the second update on the ratio differs from 1 and the clip acts.
 
-        Returns this rank's sums (`loss`, `pg_loss`, `kl`, `clipfrac_tokens`, `tokens`) and the
-        replicated `grad_norm` (mean over updates); the driver sums over ranks.
+        Returns this rank's sums (`loss`, `pg_loss`, `kl`, `clipfrac_tokens`, `loss_tokens`, `tokens`,
+        `logprob_diff_sum` / `logprob_diff_tokens`: |old − engine| over response tokens), the
+        per-update `pg_loss_updates` list and the replicated `grad_norm` (mean over updates); the
+        driver sums over ranks.
         """
         model, wrapped, optimizer = self._parts()
         g = self.cfg.grpo
         policy_loss = algos.get_policy_loss(g.policy_loss)
-        stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipfrac_tokens": 0.0, "tokens": 0.0}
+        stats: dict[str, Any] = {
+            "loss": 0.0,
+            "pg_loss": 0.0,
+            "kl": 0.0,
+            "clipfrac_tokens": 0.0,
+            "loss_tokens": 0.0,
+            "tokens": 0.0,
+            "logprob_diff_sum": 0.0,
+            "logprob_diff_tokens": 0.0,
+        }
+        pg_updates: list[float] = []
         grad_norms: list[float] = []
         # DDP/FSDP average gradients over ranks; our loss is already a share of the global sum.
         scale = float(self.world_size)
-        for mb_batch in mini_batches:
+        # Old log-probs once per step, before any update (recomputing them per mini-batch would make
+        # every ratio 1 and the clip a no-op).
+        olds = [self._forward_only(mb.samples, reference=False) for mb in mini_batches]
+        refs = (
+            [self._forward_only(mb.samples, reference=True) for mb in mini_batches]
+            if g.kl_coef > 0
+            else [None] * len(mini_batches)
+        )
+        for mb, old in zip(mini_batches, olds, strict=True):
+            for s, lp in zip(mb.samples, old, strict=True):
+                if s.rollout_logprobs:
+                    engine = torch.tensor(s.rollout_logprobs, dtype=lp.dtype)
+                    stats["logprob_diff_sum"] += float((lp.cpu() - engine).abs().sum())
+                    stats["logprob_diff_tokens"] += float(len(engine))
+        updates = [(i, mb) for _ in range(g.ppo_epochs) for i, mb in enumerate(mini_batches)]
+        for i, mb_batch in updates:
             samples = mb_batch.samples
-            old = self._forward_only(samples, reference=False)
-            ref = self._forward_only(samples, reference=True) if g.kl_coef > 0 else None
+            old, ref = olds[i], refs[i]
+            before = stats["pg_loss"]
             lengths = [s.length for s in samples]
             k = self._agreed_micro_batch_count(lengths)
             plan: list[list[int]] = (
@@ -308,7 +357,9 @@ class TrainingRank:
             norm = torch.nn.utils.clip_grad_norm_(params, g.grad_clip)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             optimizer.step()
+            pg_updates.append(stats["pg_loss"] - before)
         stats["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        stats["pg_loss_updates"] = pg_updates
         return stats
 
     def _micro_batch_loss(
@@ -360,6 +411,7 @@ class TrainingRank:
         stats["loss"] += float(loss.detach())
         stats["pg_loss"] += float(pg.detach())
         stats["clipfrac_tokens"] += float(clipped.sum())
+        stats["loss_tokens"] += float(clipped.numel())
         stats["tokens"] += float(sum(s.length for s in mb))
         return loss
 

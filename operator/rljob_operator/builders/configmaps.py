@@ -14,7 +14,7 @@ from typing import Any
 import pydantic
 
 from rljob_operator import api, errors, names
-from rljob_operator.builders.common import JobRef
+from rljob_operator.builders.common import JobRef, compute_layout
 from rljob_trainer import config as tc
 from rljob_trainer import telemetry
 
@@ -22,7 +22,13 @@ from rljob_trainer import telemetry
 MODEL_MOUNT_DIR = "/models"
 DATA_MOUNT_DIR = "/data"
 DATA_CONFIGMAP_MOUNT_DIR = "/etc/rljob-data"
+REWARD_MOUNT_DIR = "/etc/rljob-rewards"  # reward module i's volume at <dir>/<i>
 HF_TOKEN_ENV = "HF_TOKEN"
+HF_DATA_TOKEN_ENV = "HF_DATASETS_TOKEN"
+HF_ENDPOINT_ENV = "HF_ENDPOINT"
+# Ray CPUs each actor of an accelerator job reserves: the accelerators carry the placement (a GPU pod
+# has CPUs to spare), so a CPU reservation must never be what keeps an engine off its accelerator.
+ACCELERATOR_ACTOR_CPUS = 0.1
 
 _LOSS_AGG = {
     "sequenceMean": "seq-mean-token-mean",
@@ -67,20 +73,36 @@ def _model_settings(spec: api.RLJobSpec, model_config: dict[str, Any] | None) ->
 def _data_settings(spec: api.RLJobSpec) -> dict[str, Any]:
     d = spec.data
     src = d.source
-    out: dict[str, Any] = {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
+    out: dict[str, Any] = {
+        "prompt_field": d.prompt_field,
+        "answer_field": d.answer_field,
+        "chat_template": d.chat_template,
+    }
     if src.builtin is not None:
         out["builtin"] = src.builtin.name
     elif src.pvc is not None:
         out.update(builtin=None, path=f"{DATA_MOUNT_DIR}/{src.pvc.path.lstrip('/')}")
     elif src.config_map_ref is not None:
         out.update(builtin=None, path=f"{DATA_CONFIGMAP_MOUNT_DIR}/{src.config_map_ref.key}")
-    else:
-        raise errors.InvalidSpecError(
-            "spec.data.source.hub",
-            "this trainer image reads builtin, pvc or configMapRef data only: copy the dataset to a PVC "
-            "or a ConfigMap and set spec.data.source.pvc or .configMapRef",
+    elif src.hub is not None:
+        # Read in the trainer pod at start-up (HF_ENDPOINT and the token come in as env vars).
+        out.update(
+            builtin=None,
+            hub_id=src.hub.id,
+            hub_subset=src.hub.subset,
+            hub_split=src.hub.split,
+            hub_token_env=HF_DATA_TOKEN_ENV if src.hub.token_secret_ref else None,
         )
     return out
+
+
+def reward_module_file(fn: api.RewardModuleSpec, index: int) -> str | None:
+    """Where reward module `index`'s .py file is inside the trainer pods (None for an importPath)."""
+    if fn.config_map_ref is not None:
+        return f"{REWARD_MOUNT_DIR}/{index}/{fn.config_map_ref.key}"
+    if fn.pvc is not None:
+        return f"{REWARD_MOUNT_DIR}/{index}/{fn.pvc.path.lstrip('/')}"
+    return fn.path
 
 
 def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, Any]:
@@ -100,6 +122,9 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     gpu = res.accelerator.kind != "cpu"
     return {
         "kind": "vllm" if gpu else "transformers",
+        "enable_sleep_mode": res.rollout.enable_sleep_mode,
+        "sleep_level": 2,
+        "engine_num_cpus": ACCELERATOR_ACTOR_CPUS if gpu else 1.0,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max(mnbt, max_num_seqs),
         "gpu_memory_utilization": res.rollout.gpu_memory_utilization,
@@ -107,7 +132,6 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
         "shared_engines": shared,
         "dedicated_engines": dedicated,
         "max_dedicated_engines": max_dedicated,
-        "engine_num_gpus": float(tp) if gpu else 0.0,
     }
 
 
@@ -122,11 +146,16 @@ def render_trainer_config(
     b = spec.batching
     gpu = spec.resources.accelerator.kind != "cpu"
     rewards = []
-    for fn in spec.reward.functions:
+    for i, fn in enumerate(spec.reward.functions):
         item: dict[str, Any] = {"name": fn.name, "weight": fn.weight}
         if fn.module is not None:
-            item.update(module=fn.module.import_path or fn.module.path, function=fn.module.function)
+            item.update(
+                import_path=fn.module.import_path,
+                path=reward_module_file(fn.module, i),
+                function=fn.module.function,
+            )
         rewards.append(item)
+    layout = compute_layout(spec, plan)
     data = {
         "model": _model_settings(spec, model_config),
         "lengths": {
@@ -137,6 +166,8 @@ def render_trainer_config(
             "group_size": g.group_size,
             "prompts_per_step": g.prompts_per_step,
             "max_steps": g.max_steps,
+            "mini_batches_per_step": g.mini_batches_per_step,
+            "ppo_epochs": g.ppo_epochs,
             "learning_rate": g.learning_rate,
             "clip_low": g.clip_ratio_low,
             "clip_high": g.clip_ratio_high,
@@ -166,7 +197,9 @@ def render_trainer_config(
             "num_trainer_ranks": plan.trainer_accelerators or 1,
             "device": _DEVICE[spec.resources.accelerator.kind],
             "launcher": "ray",
-            "rank_num_gpus": 1.0 if gpu else 0.0,
+            "accelerator": tc.RAY_ACCELERATORS[spec.resources.accelerator.kind],
+            "trainer_pod_ranks": list(layout.trainer_accelerators),
+            "rank_num_cpus": ACCELERATOR_ACTOR_CPUS if gpu else 1.0,
         },
     }
     try:

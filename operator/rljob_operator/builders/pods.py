@@ -26,6 +26,7 @@ CONFIG_VOLUME = "config"
 CHECKPOINT_VOLUME = "checkpoints"
 MODEL_VOLUME = "model"
 DATA_VOLUME = "data"
+REWARD_VOLUME_PREFIX = "reward-"
 TMP_VOLUME = "tmp"
 SHM_VOLUME = "dshm"
 RAY_DASHBOARD_PORT = 8265
@@ -33,7 +34,14 @@ CPU_DEFAULT = "1"
 MEMORY_DEFAULT = "2Gi"
 
 
-def _env(job: JobRef, role: str, index: int, layout: JobLayout) -> list[dict[str, Any]]:
+def _env(job: JobRef, spec: api.RLJobSpec, role: str, index: int, layout: JobLayout) -> list[dict[str, Any]]:
+    # What `ray start` advertises: exactly this container's accelerators, under Ray's name for them.
+    slots = (
+        layout.trainer_accelerators[index]
+        if role == names.ROLE_TRAINER
+        else layout.rollout_accelerators_per_pod
+    )
+    ray_accelerator = tc.RAY_ACCELERATORS[spec.resources.accelerator.kind] or ""
     return [
         {"name": tc.ENV_CONFIG_PATH, "value": f"{names.CONFIG_MOUNT_DIR}/{tc.CONFIGMAP_KEY}"},
         {"name": tc.ENV_ROLE, "value": role},
@@ -45,6 +53,8 @@ def _env(job: JobRef, role: str, index: int, layout: JobLayout) -> list[dict[str
         {"name": tc.ENV_RAY_PORT, "value": str(tc.DEFAULT_RAY_PORT)},
         {"name": tc.ENV_NUM_TRAINER_PODS, "value": str(layout.trainer_pods)},
         {"name": tc.ENV_TELEMETRY_CONFIGMAP, "value": names.telemetry_config_map_name(job.name)},
+        {"name": tc.ENV_NUM_ACCELERATORS, "value": str(slots)},
+        {"name": tc.ENV_RAY_ACCELERATOR, "value": ray_accelerator},
     ]
 
 
@@ -113,6 +123,22 @@ def _volumes(
         mounts.append(
             {"name": DATA_VOLUME, "mountPath": configmaps.DATA_CONFIGMAP_MOUNT_DIR, "readOnly": True}
         )
+    if role == names.ROLE_TRAINER:
+        for i, fn in enumerate(spec.reward.functions):
+            module = fn.module
+            if module is None or (module.config_map_ref is None and module.pvc is None):
+                continue
+            vol = f"{REWARD_VOLUME_PREFIX}{i}"
+            if module.config_map_ref is not None:
+                volumes.append({"name": vol, "configMap": {"name": module.config_map_ref.name}})
+            elif module.pvc is not None:
+                volumes.append(
+                    {
+                        "name": vol,
+                        "persistentVolumeClaim": {"claimName": module.pvc.claim_name, "readOnly": True},
+                    }
+                )
+            mounts.append({"name": vol, "mountPath": f"{configmaps.REWARD_MOUNT_DIR}/{i}", "readOnly": True})
     return volumes, mounts
 
 
@@ -133,7 +159,19 @@ def _build_pod(
     pool = _pool(spec, role)
     name = names.pod_name(job.name, role, index)
     volumes, mounts = _volumes(job, spec, role)
-    env = _env(job, role, index, layout)
+    env = _env(job, spec, role, index, layout)
+    data_hub = spec.data.source.hub
+    if role == names.ROLE_TRAINER and data_hub is not None:
+        if data_hub.endpoint:
+            env.append({"name": configmaps.HF_ENDPOINT_ENV, "value": data_hub.endpoint})
+        if data_hub.token_secret_ref is not None:
+            ref = data_hub.token_secret_ref
+            env.append(
+                {
+                    "name": configmaps.HF_DATA_TOKEN_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
     hub = spec.model.source.hub
     if hub is not None and hub.token_secret_ref is not None:
         env.append(

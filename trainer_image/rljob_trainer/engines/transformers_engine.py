@@ -1,9 +1,11 @@
 """Transformers rollout engine: the CPU (and test) implementation of `base.RolloutEngine`.
 
 Role: generate completions with a plain Hugging Face causal LM, a KV cache and a per-request seeded
-sampler (so a request's output does not depend on the batch it shares), sleep by offloading
-weights out of the model (what vLLM's sleep level 1 does on an accelerator), and take new weights
-in place with `load_state_dict`. Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor
+sampler (so a request's output does not depend on the batch it shares), returning the log-probs it
+sampled with (after temperature and top-p, like vLLM's `processed_logprobs`); sleep and take new
+weights in place under vLLM's rules (`base.SleepState`: level 1 offloads, level 2 discards, no
+update while the weights sleep, no sleep without sleep mode), so a driver that breaks them on a GPU
+breaks here too. Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor
 or in-process), tests.
 """
 
@@ -40,7 +42,12 @@ def _cache_of(out: Any) -> Any:
 
 
 class TransformersEngine(base.RolloutEngine):
-    """A CPU engine. `colocated` only labels it (shared vs dedicated); both kinds can sleep."""
+    """A CPU engine that obeys vLLM's sleep and weight rules (`base.SleepState`).
+
+    `colocated` engines with `rollout.enableSleepMode` can sleep; others refuse, as a vLLM engine
+    built without `enable_sleep_mode` does. Level 1 keeps a host copy of the weights, level 2
+    discards them (wake(tags=["weights"]) reallocates garbage that update_weights() must overwrite).
+    """
 
     def __init__(
         self,
@@ -50,7 +57,9 @@ class TransformersEngine(base.RolloutEngine):
         colocated: bool,
         device: str = "cpu",
         torch_threads: int | None = None,
+        tp_workers_in_placement_group: bool = False,
     ) -> None:
+        del tp_workers_in_placement_group  # one process here; vLLM spreads TP workers (vllm_engine)
         self.name = name
         self.colocated = colocated
         self._cfg = cfg
@@ -58,6 +67,9 @@ class TransformersEngine(base.RolloutEngine):
         self._torch_threads = torch_threads
         self._model: torch.nn.Module | None = None
         self._offloaded: dict[str, torch.Tensor] | None = None
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._missing: set[str] = set()
+        self._state = base.SleepState(name, sleep_enabled=colocated and cfg.rollout.enable_sleep_mode)
         self._version = 0
         self._served = 0
         self._tokens = 0
@@ -84,52 +96,64 @@ class TransformersEngine(base.RolloutEngine):
 
     @property
     def is_sleeping(self) -> bool:
-        return self._offloaded is not None
+        return not self._state.fully_awake
+
+    @property
+    def sleep_state(self) -> base.SleepState:
+        return self._state
 
     @property
     def weights_version(self) -> int:
         return self._version
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 1) -> None:
         if self.is_sleeping:
             return
-        # Move every parameter's storage out of the model (vLLM level 1 offloads weights to host
-        # memory and drops the KV cache; here there is no cache to drop between calls).
+        self._state.on_sleep(level)
+        # Move every parameter's storage out of the model: level 1 keeps a host copy (vLLM offloads
+        # weights to CPU memory), level 2 keeps nothing. The KV cache lives only inside generate().
         offloaded: dict[str, torch.Tensor] = {}
         for n, p in self.model.named_parameters():
-            offloaded[n] = p.data.to("cpu", copy=True)
+            self._shapes[n] = (p.shape, p.dtype)
+            if level == 1:
+                offloaded[n] = p.data.to("cpu", copy=True)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._offloaded = offloaded
 
-    def wake(self) -> None:
-        if self._offloaded is None:
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        new = self._state.on_wake(tags)
+        if "weights" not in new or self._offloaded is None:
             return
         for n, p in self.model.named_parameters():
-            p.data = self._offloaded[n].to(self._device)
+            if n in self._offloaded:
+                p.data = self._offloaded[n].to(self._device)
+            else:  # level 2: fresh memory with undefined contents, as vLLM reallocates it
+                shape, dtype = self._shapes[n]
+                p.data = torch.full(shape, float("nan"), dtype=dtype, device=self._device)
+        self._missing = {n for n, _ in self.model.named_parameters()} - set(self._offloaded)
         self._offloaded = None
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any]) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
+    ) -> int:
+        self._state.check_update()
         items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        state = self.model.state_dict() if not self.is_sleeping else None
-        expected = set(state) if state is not None else set(self._offloaded or {})
-        unknown = sorted(set(items) - set(self.model.state_dict()) - expected)
+        state = self.model.state_dict()
+        unknown = sorted(set(items) - set(state))
         if unknown:
             raise ValueError(f"engine {self.name}: unknown weight names {unknown[:5]}")
-        if self._offloaded is not None:
-            # Asleep: update the offloaded copy; wake() brings the new weights back.
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            buffers = dict(self.model.named_buffers())
             for k, v in items.items():
-                if k in self._offloaded:
-                    self._offloaded[k] = torch.as_tensor(v).to(self._offloaded[k].dtype).clone()
-        else:
-            with torch.no_grad():
-                params = dict(self.model.named_parameters())
-                buffers = dict(self.model.named_buffers())
-                for k, v in items.items():
-                    target = params.get(k, buffers.get(k))
-                    if target is None:  # a tied alias (lm_head.weight) already covered by its owner
-                        continue
-                    target.copy_(torch.as_tensor(v).to(target.dtype))
-        self._version += 1
+                target = params.get(k, buffers.get(k))
+                if target is None:  # a tied alias (lm_head.weight) already covered by its owner
+                    continue
+                target.copy_(torch.as_tensor(v).to(target.dtype))
+                self._missing.discard(k)
+        if not self._missing:
+            self._state.weights_valid = True
+        self._version = self._version + 1 if version is None else int(version)
         return len(items)
 
     def load_report(self) -> base.EngineLoad:
@@ -140,8 +164,7 @@ class TransformersEngine(base.RolloutEngine):
     def generate(
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
     ) -> list[base.GenerationOutput]:
-        if self.is_sleeping:
-            raise RuntimeError(f"engine {self.name} is asleep; wake() it before generate()")
+        self._state.check_generate()
         n = len(prompts_token_ids)
         if n == 0:
             return []
@@ -181,7 +204,8 @@ class TransformersEngine(base.RolloutEngine):
                 probs = _top_p_filter(logp[i].exp(), sampling.top_p)
                 tok = int(torch.multinomial(probs, 1, generator=gens[i]).item())
                 tokens[i].append(tok)
-                lps[i].append(float(logp[i, tok]))
+                # The log-prob it was sampled with: after temperature and top-p (vLLM's processed_logprobs).
+                lps[i].append(float(torch.log(probs[tok])))
                 nxt[i] = tok
                 if tok in stop:
                     done[i], reasons[i] = True, "stop"

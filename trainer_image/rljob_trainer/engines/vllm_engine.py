@@ -1,10 +1,13 @@
 """vLLM rollout engine: the accelerator implementation of `base.RolloutEngine`.
 
-Role: wrap `vllm.LLM` with sleep mode for engines colocated with training (`enable_sleep_mode=True`,
-`llm.sleep(level=1)` offloads weights to host memory and drops the KV cache, `llm.wake_up()`
-restores them) and in-place weight sync (`llm.collective_rpc` runs `model.load_weights` on every
-worker; nothing is written to disk). vLLM is imported lazily, so the module imports on machines
-without it. Callers: `rljob_trainer.engines.build_engine` inside a Ray actor on an accelerator pod.
+Role: wrap `vllm.LLM` with sleep mode for engines colocated with training (`enable_sleep_mode=True`;
+`llm.sleep(level=2)` discards weights and KV cache, and the driver follows vLLM's RL order:
+`wake_up(tags=["weights"])`, load weights, `wake_up(tags=["kv_cache"])`), in-place weight sync
+(`llm.collective_rpc` runs `model.load_weights` on every worker; nothing is written to disk), and
+processed log-probs (`logprobs_mode="processed_logprobs"`: after temperature and top-p, what the
+sampler drew from). The rules are `base.SleepState`, shared with the CPU engine. vLLM is imported
+lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
+inside a Ray actor on an accelerator pod.
 
 NOT RUN in this repository's tests: there is no GPU here. The calls follow vLLM's public API
 (LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache).
@@ -31,14 +34,21 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
 
 class VLLMEngine(base.RolloutEngine):
     def __init__(
-        self, cfg: config_mod.TrainerConfig, *, name: str, colocated: bool, model_path: str | None = None
+        self,
+        cfg: config_mod.TrainerConfig,
+        *,
+        name: str,
+        colocated: bool,
+        model_path: str | None = None,
+        tp_workers_in_placement_group: bool = False,
     ) -> None:
         self.name = name
         self.colocated = colocated
         self._cfg = cfg
         self._model_path = model_path
+        self._tp_in_group = tp_workers_in_placement_group
         self._llm: Any = None
-        self._sleeping = False
+        self._state = base.SleepState(name, sleep_enabled=colocated and cfg.rollout.enable_sleep_mode)
         self._version = 0
         self._served = 0
         self._tokens = 0
@@ -68,6 +78,11 @@ class VLLMEngine(base.RolloutEngine):
         import vllm
 
         r, lengths = self._cfg.rollout, self._cfg.lengths
+        extra: dict[str, Any] = {}
+        if self._tp_in_group:
+            # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
+            # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
+            extra["distributed_executor_backend"] = "ray"
         self._llm = vllm.LLM(
             model=self._resolve_model_path(),
             dtype=self._cfg.model.dtype,
@@ -76,13 +91,17 @@ class VLLMEngine(base.RolloutEngine):
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
             max_model_len=lengths.max_model_len_tokens,
-            enable_sleep_mode=self.colocated and r.enable_sleep_mode,
+            enable_sleep_mode=self._state.sleep_enabled,
             seed=self._cfg.grpo.seed,
+            # V1 returns raw log-probs (before temperature/top-p) unless asked; the trainer compares
+            # with the distribution the sample was drawn from.
+            logprobs_mode="processed_logprobs",
+            **extra,
         )
 
     @property
     def is_sleeping(self) -> bool:
-        return self._sleeping
+        return not self._state.fully_awake
 
     @property
     def weights_version(self) -> int:
@@ -91,8 +110,7 @@ class VLLMEngine(base.RolloutEngine):
     def generate(
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
     ) -> list[base.GenerationOutput]:
-        if self._sleeping:
-            raise RuntimeError(f"engine {self.name} is asleep; wake() it before generate()")
+        self._state.check_generate()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -116,29 +134,36 @@ class VLLMEngine(base.RolloutEngine):
             toks = tuple(int(t) for t in c.token_ids)
             lps = tuple(float(c.logprobs[i][t].logprob) for i, t in enumerate(toks)) if c.logprobs else ()
             reason = "stop" if c.finish_reason == "stop" else "length"
-            results.append(base.GenerationOutput(tuple(p), toks, lps, reason, {"engine": self.name}))
+            meta = {"engine": self.name, "version": self._version}
+            results.append(base.GenerationOutput(tuple(p), toks, lps, reason, meta))
         self._served += len(results)
         self._tokens += sum(len(r.token_ids) for r in results)
         return results
 
-    def sleep(self) -> None:
-        if not self._sleeping:
-            self._llm.sleep(level=1)
-            self._sleeping = True
+    def sleep(self, level: int = 1) -> None:
+        if self.is_sleeping:
+            return
+        self._state.on_sleep(level)
+        self._llm.sleep(level=level)
 
-    def wake(self) -> None:
-        if self._sleeping:
-            self._llm.wake_up()
-            self._sleeping = False
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        new = self._state.on_wake(tags)
+        if new:
+            self._llm.wake_up(tags=sorted(new))
+        if "kv_cache" in new:
+            self._llm.reset_prefix_cache()  # nothing cached before the sleep may be reused
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any]) -> int:
-        if self._sleeping:
-            raise RuntimeError(f"engine {self.name}: wake() before update_weights() (vLLM sleep level 1)")
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
+    ) -> int:
+        self._state.check_update()
         weights = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        self._version += 1
+        if self._state.fully_awake:
+            self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._state.weights_valid = True
+        self._version = self._version + 1 if version is None else int(version)
         return len(weights)
 
     def load_report(self) -> base.EngineLoad:
-        return base.EngineLoad(self.name, self._sleeping, self._served, self._tokens)
+        return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)

@@ -1,0 +1,280 @@
+"""Runtimes: where the driver's training ranks and rollout engines live, behind one small interface.
+
+Role: `RayRuntime` creates them as Ray actors on the job's Ray cluster following the placement plan
+(`rljob_trainer.placement`): one placement group per trainer pod (a bundle per accelerator, pinned
+to the pod by `rljob_trainer_<i>`), ranks and shared engines on fractional shares of the same
+bundle, dedicated engine j pinned to rollout pod j by `rljob_rollout_<j>`; accelerators are Ray
+`GPU` or `NPU`. `LocalRuntime` calls the same objects in-process (one rank; fast tests, debugging).
+Both speak `submit(handle, method, *args) -> future`, `get`, `wait_any`, `kill`.
+Callers: `rljob_trainer.driver.GRPODriver`, `rljob_trainer.__main__`, tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rljob_trainer import config as config_mod
+from rljob_trainer import placement
+
+log = logging.getLogger("rljob_trainer.runtimes")
+
+# How long the driver waits for the trainer pods to join the Ray cluster with their accelerators.
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+class Host:
+    """A training rank or an engine behind one `call(method, *args)` door (a Ray actor class too)."""
+
+    def __init__(self, kind: str, cfg: config_mod.TrainerConfig, **kwargs: Any) -> None:
+        # torch and the engines are imported here, in the actor, not where this class is unpickled.
+        import torch
+
+        from rljob_trainer import engines, trainer
+
+        threads = cfg.distributed.torch_threads_per_rank
+        if threads:
+            torch.set_num_threads(threads)
+        if kind == "rank":
+            self.obj: Any = trainer.TrainingRank(cfg, kwargs["rank"], kwargs["world_size"])
+        elif kind == "engine":
+            self.obj = engines.build_engine(
+                cfg, name=kwargs["name"], colocated=kwargs["colocated"], **kwargs.get("engine_kwargs", {})
+            )
+        else:
+            raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.obj, method)(*args, **kwargs)
+
+    @staticmethod
+    def where() -> dict[str, Any]:
+        """Ray's own record of this actor's placement: node id, accelerator ids, placement group."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        pg = ray.util.get_current_placement_group()
+        return {
+            "node_id": ctx.get_node_id(),
+            "accelerator_ids": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
+            "placement_group": pg.id.hex() if pg is not None else None,
+        }
+
+
+@dataclass(eq=False)
+class _Done:
+    """A finished local call (hashable by identity, like a Ray ObjectRef)."""
+
+    value: Any
+
+
+class LocalRuntime:
+    """Everything in this process: one training rank, engines as plain objects (fast tests, debugging)."""
+
+    kind = "local"
+
+    def __init__(self, cfg: config_mod.TrainerConfig) -> None:
+        if cfg.distributed.num_trainer_ranks != 1:
+            raise ValueError(
+                "local mode runs one training rank; set distributed.numTrainerRanks to 1 or use "
+                "distributed.launcher 'ray'"
+            )
+        self.cfg = cfg
+
+    def create_ranks(self, world_size: int) -> list[Any]:
+        return [Host("rank", self.cfg, rank=0, world_size=world_size)]
+
+    def where(self, handle: Any) -> Any:
+        del handle
+        return _Done({"node_id": "local", "accelerator_ids": {}, "placement_group": None})
+
+    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
+        del pod_index
+        return Host("engine", self.cfg, name=name, colocated=colocated)
+
+    def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Done(handle.call(method, *args, **kwargs))
+
+    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
+        return list(futures)
+
+    def get(self, futures: Any) -> Any:
+        if isinstance(futures, list):
+            return [f.value for f in futures]
+        return futures.value
+
+    def rollout_pods(self) -> list[int]:
+        return list(range(self.cfg.rollout.max_dedicated_engines))
+
+    def kill(self, handle: Any) -> None:
+        del handle
+
+    def shutdown(self) -> None:
+        pass
+
+
+def pod_of_node(resources: dict[str, float]) -> str | None:
+    """`trainer-<i>` or `rollout-<j>` of a Ray node from the custom resource its pod advertises."""
+    for key in resources:
+        for prefix, role in (
+            (config_mod.TRAINER_RESOURCE_PREFIX, "trainer"),
+            (config_mod.ROLLOUT_RESOURCE_PREFIX, "rollout"),
+        ):
+            if key.startswith(prefix) and key[len(prefix) :].isdigit():
+                return f"{role}-{key[len(prefix) :]}"
+    return None
+
+
+class RayRuntime:
+    """Ranks and engines as Ray actors on the cluster trainer pod 0 heads, placed by `placement`."""
+
+    kind = "ray"
+
+    def __init__(
+        self,
+        cfg: config_mod.TrainerConfig,
+        *,
+        timeout_s: float = PLACEMENT_TIMEOUT_S,
+        host_cls: type | None = None,
+    ) -> None:
+        """`host_cls` replaces `Host` (same constructor and `call`/`where`), e.g. a light probe that
+        lets a test check placement without building models."""
+        import ray
+
+        self.cfg = cfg
+        self._ray = ray
+        self._host_cls = ray.remote(host_cls or Host)
+        self.plan = placement.plan_from_config(cfg)
+        self._timeout_s = timeout_s
+        self._groups: list[Any] = []
+
+    # ---- placement groups ------------------------------------------------------------------------
+    def _placement_groups(self) -> list[Any]:
+        """One STRICT_PACK placement group per trainer pod, created once, ready before use."""
+        if self._groups:
+            return self._groups
+        from ray.util import placement_group
+
+        groups = [
+            placement_group(list(bundles), strategy="STRICT_PACK", name=f"rljob-trainer-{i}")
+            for i, bundles in enumerate(self.plan.pod_bundles)
+        ]
+        deadline = time.monotonic() + self._timeout_s
+        for i, pg in enumerate(groups):
+            ready, _ = self._ray.wait([pg.ready()], timeout=max(1.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(
+                    f"trainer pod {i}'s placement group {list(self.plan.pod_bundles[i])} was not placed "
+                    f"within {self._timeout_s:.0f}s; the Ray cluster has {self._ray.cluster_resources()} "
+                    "(did trainer pod {i} join with its accelerators?)"
+                )
+        self._groups = groups
+        return groups
+
+    def _options(self, slot: placement.Slot) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "num_cpus": slot.num_cpus,
+            "num_gpus": self.plan.num_gpus(slot.accelerators),
+            "resources": self.plan.resources(slot.accelerators),
+        }
+        if slot.trainer_pod is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement_groups()[slot.trainer_pod],
+                placement_group_bundle_index=slot.bundles[0],
+            )
+        else:
+            opts["resources"] = {
+                **opts["resources"],
+                config_mod.rollout_resource_name(int(slot.rollout_pod or 0)): 1,
+            }
+        if slot.worker_share:
+            # vLLM's Ray executor puts one TP worker on each of these bundles of the current group.
+            opts["runtime_env"] = {
+                "env_vars": {
+                    "VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in slot.bundles),
+                    "VLLM_RAY_PER_WORKER_GPUS": str(slot.worker_share),
+                }
+            }
+        return opts
+
+    def rank_slots(self) -> tuple[placement.Slot, ...]:
+        return self.plan.ranks
+
+    def engine_slot(self, name: str, *, colocated: bool, pod_index: int | None) -> placement.Slot:
+        if not colocated:
+            if pod_index is None:
+                raise ValueError(f"dedicated engine {name} needs a rollout pod index")
+            return self.plan.dedicated_engine(pod_index)
+        for slot in self.plan.shared_engines:
+            if slot.name == name:
+                return slot
+        raise ValueError(
+            f"no placement for shared engine {name}; the plan has "
+            f"{[s.name for s in self.plan.shared_engines]}"
+        )
+
+    # ---- actors ----------------------------------------------------------------------------------
+    def create_ranks(self, world_size: int) -> list[Any]:
+        if world_size != len(self.plan.ranks):
+            raise ValueError(f"world size {world_size} != {len(self.plan.ranks)} ranks in the placement plan")
+        return [
+            self._host_cls.options(**self._options(slot)).remote(
+                "rank", self.cfg, rank=r, world_size=world_size
+            )
+            for r, slot in enumerate(self.plan.ranks)
+        ]
+
+    def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
+        slot = self.engine_slot(name, colocated=colocated, pod_index=pod_index)
+        engine_kwargs = {"tp_workers_in_placement_group": bool(slot.worker_share)}
+        return self._host_cls.options(**self._options(slot)).remote(
+            "engine", self.cfg, name=name, colocated=colocated, engine_kwargs=engine_kwargs
+        )
+
+    def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        return handle.call.remote(method, *args, **kwargs)
+
+    def where(self, handle: Any) -> Any:
+        """A future of Ray's record of where `handle` runs (`Host.where`)."""
+        return handle.where.remote()
+
+    def node_pods(self) -> dict[str, str | None]:
+        """Ray node id -> the pod it is (`trainer-<i>`, `rollout-<j>`), from the nodes' resources."""
+        return {n["NodeID"]: pod_of_node(n.get("Resources", {})) for n in self._ray.nodes() if n.get("Alive")}
+
+    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
+        done, _ = self._ray.wait(list(futures), num_returns=1)
+        return done
+
+    def get(self, futures: Any) -> Any:
+        return self._ray.get(futures)
+
+    def rollout_pods(self) -> list[int]:
+        """Rollout pods that have joined the cluster (they advertise `rljob_rollout_<j>`)."""
+        prefix = config_mod.ROLLOUT_RESOURCE_PREFIX
+        pods = []
+        for key in self._ray.cluster_resources():
+            if key.startswith(prefix) and key[len(prefix) :].isdigit():
+                pods.append(int(key[len(prefix) :]))
+        return sorted(pods)
+
+    def kill(self, handle: Any) -> None:
+        self._ray.kill(handle)
+
+    def shutdown(self) -> None:
+        from ray.util import remove_placement_group
+
+        for pg in self._groups:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # the cluster may already be going down
+                log.warning("removing a placement group failed: %s", e)
+        self._groups = []
+
+
+Runtime = LocalRuntime | RayRuntime
