@@ -38,7 +38,7 @@ import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rljob_operator import api, builders, errors, metrics, names, planning, policy, reconcile, status
+from rljob_operator import api, builders, errors, metrics, names, planning, policy, pools, reconcile, status
 from rljob_operator.estimator import errors as estimator_errors
 from rljob_operator.estimator import presets
 from rljob_trainer import telemetry
@@ -391,6 +391,7 @@ async def _reconcile_locked(
     # 1. parse, read the model config, plan.
     try:
         job_spec = api.RLJobSpec.model_validate(dict(spec))
+        job_spec = pools.with_pool_defaults(job_spec, await _pool_catalog(ctx.state.kube))
         bad_name = names.validate_job_name(name)
         if bad_name:
             raise errors.InvalidSpecError("metadata.name", bad_name)
@@ -710,6 +711,25 @@ def _post(ctx: _Ctx, type_: str, reason: str, message: str) -> None:
         return
     ctx.state.events[mark] = now_s
     kopf.event(ctx.body, type=type_, reason=reason, message=message[:1024])
+
+
+# ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.pools) ----------------------
+POOLS_CONFIGMAP = os.environ.get("RLJOB_POOLS_CONFIGMAP", "")  # "<namespace>/<name>"; empty: no pools
+POOLS_REFRESH_S = 10.0
+_pools_read: list[tuple[float, pools.PoolCatalog]] = []
+
+
+async def _pool_catalog(kube: Kube) -> pools.PoolCatalog:
+    """The chart-rendered pool defaults, re-read at most every POOLS_REFRESH_S (helm upgrade applies)."""
+    if not POOLS_CONFIGMAP:
+        return pools.PoolCatalog()
+    if _pools_read and time.monotonic() - _pools_read[0][0] < POOLS_REFRESH_S:
+        return _pools_read[0][1]
+    namespace, _, name = POOLS_CONFIGMAP.partition("/")
+    cm = await kube.read_config_map(namespace, name)
+    catalog = pools.parse_pool_catalog(((cm or {}).get("data") or {}).get(pools.POOLS_KEY))
+    _pools_read[:] = [(time.monotonic(), catalog)]
+    return catalog
 
 
 # ---- entry point ---------------------------------------------------------------------------------
