@@ -894,9 +894,8 @@ class ResourcesSpec(_Spec):
         description="Memory request and limit per pod, for example 8Gi. Default: none for accelerator jobs, "
         "2Gi for cpu jobs.",
     )
-    extra_resources: dict[Annotated[str, Field(max_length=253)], Quantity] = Field(
+    extra_resources: dict[str, Quantity] = Field(
         default_factory=dict,
-        max_length=16,
         description="More resources each pod requests and is limited to, for example hugepages-2Mi: 1Gi or "
         "an RDMA device plugin's resource. Default: the node pool's (spec.pool).",
     )

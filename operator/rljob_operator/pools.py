@@ -14,7 +14,6 @@ such as hugepages or RDMA devices (pool's keys under the spec's). Pure; called b
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -42,7 +41,7 @@ class PoolDefaults(_Model):
     devices: dict[str, api.CustomAcceleratorSpec] = Field(
         default_factory=dict, description="Device catalog additions: accelerator model -> numbers."
     )
-    extra_resources: dict[Annotated[str, Field(max_length=253)], api.Quantity] = Field(default_factory=dict)
+    extra_resources: dict[str, api.Quantity] = Field(default_factory=dict)
 
 
 class PoolCatalog(_Model):

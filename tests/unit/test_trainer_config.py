@@ -92,7 +92,7 @@ def test_sync_report_json_is_camel_case():
     assert set(data) == {
         "step", "time", "intervalS", "trainerWaitS", "generationS", "trainingS",
         "inflightRequestSeconds", "engineSeconds", "snapshotInflight", "sharedEnginesAwake",
-        "dedicatedEngines", "meanReward", "loss", "tokensPerS", "responseLenMean",
+        "dedicatedEngines", "meanReward", "loss", "tokensPerS", "responseLenMean", "exportPath",
     }
     assert telemetry.parse_reports(json.dumps([data])) == [_report(1)]
     assert _report(1).mean_busy == 1.5
