@@ -122,7 +122,7 @@ def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: i
         plt.plot(steps, list(series[key]), marker="braille")
         plt.title(title)
         plt.xlabel("step")
-    text = plt.build()
+    text = plt.uncolorize(plt.build())
     plt.clear_figure()
     return str(text)
 
