@@ -6,8 +6,9 @@ ConfigMap (key `pools.json`) that the operator reads; `parse_pool_catalog` valid
 the job's accelerator kind, else `defaultPool`), and `apply_pool_defaults` fills in what the spec
 left at its default: the trainer image (only while `spec.image.trainer` is the stock image the CRD
 defaults to), each role's nodeSelector, tolerations and priorityClassName (when empty), the
-accelerator's catalog numbers (`resources.accelerator.custom`, when unset) and extra resources
-such as hugepages or RDMA devices (pool's keys under the spec's). Pure; called by
+accelerator's catalog numbers (`resources.accelerator.custom`, when unset), per-pod cpu and
+memory (when unset) and extra resources such as hugepages or RDMA devices (pool's keys under the
+spec's). Pure; called by
 `rljob_operator.handlers` right after the spec is parsed, so planning and builders see the result.
 """
 
@@ -42,6 +43,10 @@ class PoolDefaults(_Model):
         default_factory=dict, description="Device catalog additions: accelerator model -> numbers."
     )
     extra_resources: dict[str, api.Quantity] = Field(default_factory=dict)
+    cpu: api.Quantity | None = Field(None, description="Per-pod CPU when the spec sets none.")
+    memory: api.Quantity | None = Field(
+        None, description="Per-pod memory when the spec sets none (hugepages need a memory request)."
+    )
 
 
 class PoolCatalog(_Model):
@@ -115,6 +120,10 @@ def apply_pool_defaults(spec: api.RLJobSpec, pool: PoolDefaults) -> api.RLJobSpe
         res_update["accelerator"] = acc.model_copy(update={"custom": pool.devices[acc.model]})
     if pool.extra_resources:
         res_update["extra_resources"] = {**pool.extra_resources, **res.extra_resources}
+    if res.cpu is None and pool.cpu is not None:
+        res_update["cpu"] = pool.cpu
+    if res.memory is None and pool.memory is not None:
+        res_update["memory"] = pool.memory
     if res_update:
         update["resources"] = res.model_copy(update=res_update)
     return spec.model_copy(update=update)

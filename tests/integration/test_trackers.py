@@ -19,7 +19,7 @@ from rljob_trainer import driver
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
-KEYS = ("mean_reward", "loss", "grad_norm", "tokens_per_s", "engines/awake", "dp_balance/applied")
+KEYS = ("mean_reward", "loss", "grad_norm", "tokens_per_s", "engines_awake", "dp_balance/applied")
 
 
 def _wandb_records(path: Path) -> Iterator[bytes]:

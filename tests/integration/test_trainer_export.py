@@ -182,8 +182,8 @@ def test_tensorboard_event_files_hold_every_step_scalar(tmp_path: Path) -> None:
         "training_s",
         "weight_sync_s",
         "step_s",
-        "engines/awake",
-        "engines/total",
+        "engines_awake",
+        "engines_total",
     ):
         assert tag in tags, f"{tag} missing from {sorted(tags)}"
     assert {"dp_balance/imbalance_before", "dp_balance/imbalance_after", "dp_balance/applied"} <= tags

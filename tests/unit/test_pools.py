@@ -18,6 +18,7 @@ ASCEND_POOL: dict[str, Any] = {
     "priorityClassName": "rl-training",
     "devices": {"Ascend910C": {"memoryGiB": 128, "hbmBandwidthGBps": 3200, "bf16TFLOPS": 750}},
     "extraResources": {"hugepages-2Mi": "1Gi"},
+    "memory": "512Gi",
 }
 NVIDIA_POOL: dict[str, Any] = {
     "acceleratorKinds": ["nvidia"],
@@ -70,17 +71,22 @@ def test_defaults_fill_only_what_the_spec_left_unset() -> None:
         assert [t.to_k8s() for t in pool.tolerations] == ASCEND_POOL["tolerations"]
         assert pool.priority_class_name == "rl-training"
     assert spec.resources.extra_resources == {"hugepages-2Mi": "1Gi"}
+    assert spec.resources.memory == "512Gi" and spec.resources.cpu is None
 
     own = ascend_spec(
         image={"trainer": "mine:1"},
         trainerPool={"nodeSelector": {"team": "a"}},
-        **{"resources.extraResources": {"hugepages-2Mi": "2Gi", "example.com/rdma": 1}},
+        **{
+            "resources.extraResources": {"hugepages-2Mi": "2Gi", "example.com/rdma": 1},
+            "resources.memory": "64Gi",
+        },
     )
     merged = pools.with_pool_defaults(own, catalog())
     assert merged.image.trainer == "mine:1"
     assert merged.trainer_pool.node_selector == {"team": "a"}  # the job's own selector wins whole
     assert [t.key for t in merged.trainer_pool.tolerations] == ["huawei.com/Ascend910"]
     assert merged.resources.extra_resources == {"hugepages-2Mi": "2Gi", "example.com/rdma": 1}
+    assert merged.resources.memory == "64Gi"
     assert own.image.trainer == "mine:1" and own.resources.extra_resources["hugepages-2Mi"] == "2Gi"
 
 
@@ -94,6 +100,7 @@ def test_pods_carry_the_pool_defaults() -> None:
     assert ctr["image"] == ASCEND_POOL["trainerImage"]
     assert ctr["resources"]["requests"]["hugepages-2Mi"] == "1Gi"
     assert ctr["resources"]["limits"]["hugepages-2Mi"] == "1Gi"
+    assert ctr["resources"]["requests"]["memory"] == "512Gi"  # Kubernetes: hugepages need memory
     assert ctr["resources"]["limits"]["huawei.com/Ascend910"] == "8"
 
 

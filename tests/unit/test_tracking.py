@@ -33,7 +33,7 @@ def test_scalars_keep_finite_numbers_and_add_engines() -> None:
     got = tracking.step_scalars(metrics, _report(), shared_engines_total=1)
     assert got == {
         "mean_reward": 0.5, "reward/mathAccuracy": 0.5, "loss": 0.1, "dp_balance/applied": 1.0,
-        "engines/shared_awake": 1.0, "engines/dedicated": 2.0, "engines/awake": 3.0, "engines/total": 3.0,
+        "engines/shared_awake": 1.0, "engines/dedicated": 2.0, "engines_awake": 3.0, "engines_total": 3.0,
         "trainer_wait_s": 0.25,
     }  # fmt: skip
 

@@ -512,6 +512,8 @@ class GRPODriver:
         )
         self.state.history = telemetry.append_report(self.state.history, report)
         metrics["busy_mean"] = report.mean_busy
+        metrics["engines_awake"] = report.shared_engines_awake + report.dedicated_engines
+        metrics["engines_total"] = self.cfg.rollout.shared_engines + report.dedicated_engines
         metrics["inflight_request_seconds"] = load.inflight_request_seconds
         metrics["engine_seconds"] = load.engine_seconds
         targets = None

@@ -32,8 +32,9 @@ _SKIP = frozenset({"step", "prompt_indices"})
 def step_scalars(
     metrics: Mapping[str, Any], report: telemetry.SyncReport | None, *, shared_engines_total: int
 ) -> dict[str, float]:
-    """The finite numeric metrics of one step (bools and lists dropped) plus `engines/*` from the
-    step's SyncReport: `engines/awake` = shared awake + dedicated, `engines/total` = shared + dedicated."""
+    """The finite numeric metrics of one step (bools and lists dropped) plus, from the step's
+    SyncReport, `engines/shared_awake`, `engines/dedicated` and (when the driver did not set them)
+    `engines_awake` = shared awake + dedicated and `engines_total` = shared + dedicated."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if key in _SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -43,8 +44,8 @@ def step_scalars(
     if report is not None:
         out["engines/shared_awake"] = float(report.shared_engines_awake)
         out["engines/dedicated"] = float(report.dedicated_engines)
-        out["engines/awake"] = float(report.shared_engines_awake + report.dedicated_engines)
-        out["engines/total"] = float(shared_engines_total + report.dedicated_engines)
+        out.setdefault("engines_awake", float(report.shared_engines_awake + report.dedicated_engines))
+        out.setdefault("engines_total", float(shared_engines_total + report.dedicated_engines))
         out["trainer_wait_s"] = float(report.trainer_wait_s)
     return out
 

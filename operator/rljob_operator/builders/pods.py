@@ -28,6 +28,8 @@ DATA_VOLUME = "data"
 TMP_VOLUME = "tmp"
 SHM_VOLUME = "dshm"
 RAY_DASHBOARD_PORT = 8265
+METRICS_PORT_NAME = "metrics"
+TRAINER_METRICS_PORT = int(tc.TelemetrySettings().prometheus_port or 9400)
 CPU_DEFAULT = "1"
 MEMORY_DEFAULT = "2Gi"
 
@@ -146,6 +148,8 @@ def _build_pod(
     ports = [{"name": "ray-gcs", "containerPort": tc.DEFAULT_RAY_PORT, "protocol": "TCP"}]
     if role == names.ROLE_TRAINER and index == 0:
         ports.append({"name": "ray-dashboard", "containerPort": RAY_DASHBOARD_PORT, "protocol": "TCP"})
+        # The driver's Prometheus endpoint (telemetry.prometheusPort): what the chart's PodMonitor scrapes.
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts the whole job from its checkpoint
         "hostname": name,
