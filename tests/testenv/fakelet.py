@@ -60,6 +60,8 @@ import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from testenv import kubelet_logs
+
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_S = 40
 LEASE_RENEW_S = 10.0
@@ -321,11 +323,14 @@ class FakeKubelet:
         self._root: Path | None = None
         self._seq = 0
         self._log_dir = log_dir  # `<namespace>_<pod>.log` there (appended to across pod restarts)
+        # The kubelet's /containerLogs endpoint (`kubectl logs`), one for every node of this kubelet.
+        self._logs = kubelet_logs.KubeletLogServer(self._log_of)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
     def register_node(self, manifest: dict[str, Any]) -> None:
         name = manifest["metadata"]["name"]
+        manifest["status"].setdefault("daemonEndpoints", {"kubeletEndpoint": {"Port": self._logs.port}})
         # Node status is writable on create, as a kubelet registering itself does.
         try:
             self._core.create_node(manifest)
@@ -513,6 +518,14 @@ class FakeKubelet:
             return local.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def _log_of(self, namespace: str, name: str) -> tuple[Path, Callable[[], bool]] | None:
+        """The latest local-exec pod's log file and whether its process still runs."""
+        with self._lock:
+            local = self._by_name.get((namespace, name))
+        if local is None:
+            return None
+        return local.log_path, lambda: local.process is not None and local.process.poll() is None
 
     def local_pids(self, namespace: str, name: str) -> list[int]:
         """Live processes of the latest local-exec pod `namespace/name` (empty once it is gone)."""
@@ -888,6 +901,7 @@ class FakeKubelet:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._logs.start()
         for target, name in ((self._lease_loop, "fakelet-leases"), (self._pod_loop, "fakelet-pods")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -895,6 +909,7 @@ class FakeKubelet:
 
     def stop(self) -> None:
         self._stop.set()
+        self._logs.stop()
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
