@@ -26,6 +26,8 @@ from testenv.waiting import wait_for
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
+# Long enough that the pods still run while status and logs are checked on a loaded machine.
+STEPS = 120
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -41,7 +43,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
     env["PATH"] = f"{BIN}{os.pathsep}{Path(cluster.bins['kubectl']).parent}{os.pathsep}{env.get('PATH', '')}"
     kubectl = str(cluster.bins["kubectl"])
     manifest = yaml.safe_load(TINY.read_text())
-    manifest["spec"]["grpo"]["maxSteps"] = 40
+    manifest["spec"]["grpo"]["maxSteps"] = STEPS
     job = manifest["metadata"]["name"]
     pods = [f"{job}-trainer-0", f"{job}-trainer-1"]
     args = ["run", "--standalone", "--namespace", namespace, "-m", "rljob_operator.handlers"]
@@ -69,6 +71,18 @@ def test_status_and_logs_while_the_tiny_job_trains(
                 assert title in text
             sys.stderr.write(f"\n===== rljob status (mid-run) =====\n{text}")
 
+            # 3. Logs through the apiserver: the driver's, a worker's, and a clear error for a typo.
+            logs = run([str(BIN / "rljob"), "logs", job, "-n", namespace], env)
+            assert logs.returncode == 0, logs.stderr
+            assert "rljob_trainer" in logs.stdout and "training ranks ready" in logs.stdout
+            worker = run([kubectl, "rljob", "logs", job, "-n", namespace, "--pod", "trainer-1"], env)
+            assert worker.returncode == 0, worker.stderr
+            assert "joining the Ray cluster" in worker.stdout, worker.stdout[-2000:]
+            tail = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "--tail", "3"], env)
+            assert tail.returncode == 0 and len(tail.stdout.splitlines()) <= 3, tail.stdout
+            missing = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "--pod", "rollout-7"], env)
+            assert missing.returncode == 1 and f"pods of {job}: {', '.join(pods)}" in missing.stderr
+
             # 2. The same through kubectl's plugin mechanism.
             plugin = run([kubectl, "rljob", "status", job, "-n", namespace, "--no-plots"], env)
             assert plugin.returncode == 0, plugin.stderr
@@ -76,21 +90,11 @@ def test_status_and_logs_while_the_tiny_job_trains(
             listed = run([kubectl, "plugin", "list"], env)
             assert "kubectl-rljob" in listed.stdout, listed.stdout + listed.stderr
 
-            # 3. Logs through the apiserver: the driver's, a worker's, and a clear error for a typo.
-            logs = run([str(BIN / "rljob"), "logs", job, "-n", namespace], env)
-            assert logs.returncode == 0, logs.stderr
-            assert "rljob_trainer" in logs.stdout and "training ranks ready" in logs.stdout
-            worker = run(
-                [kubectl, "rljob", "logs", job, "-n", namespace, "--pod", "trainer-1", "--tail", "50"], env
-            )
-            assert worker.returncode == 0 and "joining the Ray cluster" in cluster.pod_log(namespace, pods[1])
-            missing = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "--pod", "rollout-7"], env)
-            assert missing.returncode == 1 and f"pods of {job}: {', '.join(pods)}" in missing.stderr
             # -f follows until the driver exits (the job's last step), then returns.
             started = time.monotonic()
             follow = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "-f"], env, timeout=240)
             assert follow.returncode == 0, follow.stderr
-            assert "done at step 40" in follow.stdout, follow.stdout[-3000:]
+            assert f"done at step {STEPS}" in follow.stdout, follow.stdout[-3000:]
             sys.stderr.write(f"rljob logs -f returned {time.monotonic() - started:.0f}s after it started\n")
 
             # 4. What the run leaves: the final export, reported in the status.
@@ -104,7 +108,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
             assert export.name == "final" and export.parent.name == "hf"
             files = sorted(str(p.relative_to(export)) for p in export.rglob("*") if p.is_file())
             assert {"config.json", "model.safetensors", "tokenizer.json", "rljob-export.json"} <= set(files)
-            assert json.loads((export / "rljob-export.json").read_text())["step"] == 40
+            assert json.loads((export / "rljob-export.json").read_text())["step"] == STEPS
             events = list((export.parent.parent / "tensorboard").glob("events.out.tfevents.*"))
             assert events, "no TensorBoard event file next to the export"
             final = run([str(BIN / "rljob"), "status", job, "-n", namespace, "--width", "90"], env)
@@ -120,7 +124,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
                 sys.stderr.write(
                     f"tensorboard {tag}: {len(values)} steps, first {values[0]}, last {values[-1]}\n"
                 )
-            assert len(acc.Scalars("mean_reward")) == 40
+            assert len(acc.Scalars("mean_reward")) == STEPS
             cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=true", "--timeout=60s")
     finally:
         cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false", check=False)
