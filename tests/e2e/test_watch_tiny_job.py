@@ -30,6 +30,15 @@ BIN = Path(sys.executable).parent
 STEPS = 120
 
 
+def note(text: str) -> None:
+    """What the run showed (status text, exported files, TensorBoard scalars), for a human: kopf's test
+    runner captures this process's stdout/stderr, so it goes to $RLJOB_E2E_REPORT when set."""
+    path = os.environ.get("RLJOB_E2E_REPORT")
+    if path:
+        with open(path, "a") as out:
+            out.write(text)
+
+
 def run(cmd: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -69,9 +78,9 @@ def test_status_and_logs_while_the_tiny_job_trains(
             assert "trainer accelerators 2" in text and "Conditions:" in text and "Planned" in text
             for title in ("reward", "loss", "tokens/s", "engines awake"):
                 assert title in text
-            sys.stderr.write(f"\n===== rljob status (mid-run) =====\n{text}")
+            note(f"\n===== rljob status (mid-run) =====\n{text}")
 
-            # 3. Logs through the apiserver: the driver's, a worker's, and a clear error for a typo.
+            # 2. Logs through the apiserver: the driver's, a worker's, and a clear error for a typo.
             logs = run([str(BIN / "rljob"), "logs", job, "-n", namespace], env)
             assert logs.returncode == 0, logs.stderr
             assert "rljob_trainer" in logs.stdout and "training ranks ready" in logs.stdout
@@ -83,7 +92,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
             missing = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "--pod", "rollout-7"], env)
             assert missing.returncode == 1 and f"pods of {job}: {', '.join(pods)}" in missing.stderr
 
-            # 2. The same through kubectl's plugin mechanism.
+            # 3. The same through kubectl's plugin mechanism.
             plugin = run([kubectl, "rljob", "status", job, "-n", namespace, "--no-plots"], env)
             assert plugin.returncode == 0, plugin.stderr
             assert f"RLJob {namespace}/{job}" in plugin.stdout and "STEP  REWARD" in plugin.stdout
@@ -95,7 +104,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
             follow = run([str(BIN / "rljob"), "logs", job, "-n", namespace, "-f"], env, timeout=240)
             assert follow.returncode == 0, follow.stderr
             assert f"done at step {STEPS}" in follow.stdout, follow.stdout[-3000:]
-            sys.stderr.write(f"rljob logs -f returned {time.monotonic() - started:.0f}s after it started\n")
+            note(f"rljob logs -f returned {time.monotonic() - started:.0f}s after it started\n")
 
             # 4. What the run leaves: the final export, reported in the status.
             def succeeded() -> dict[str, Any] | None:
@@ -113,17 +122,15 @@ def test_status_and_logs_while_the_tiny_job_trains(
             assert events, "no TensorBoard event file next to the export"
             final = run([str(BIN / "rljob"), "status", job, "-n", namespace, "--width", "90"], env)
             assert "phase: Succeeded" in final.stdout and f"export {export}" in final.stdout
-            sys.stderr.write(f"\n===== rljob status (finished) =====\n{final.stdout}")
-            sys.stderr.write(f"===== exported files ({export}) =====\n" + "\n".join(files) + "\n")
+            note(f"\n===== rljob status (finished) =====\n{final.stdout}")
+            note(f"===== exported files ({export}) =====\n" + "\n".join(files) + "\n")
             from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
             acc = EventAccumulator(str(events[0].parent))
             acc.Reload()
             for tag in sorted(acc.Tags()["scalars"]):
                 values = [round(e.value, 4) for e in acc.Scalars(tag)]
-                sys.stderr.write(
-                    f"tensorboard {tag}: {len(values)} steps, first {values[0]}, last {values[-1]}\n"
-                )
+                note(f"tensorboard {tag}: {len(values)} steps, first {values[0]}, last {values[-1]}\n")
             assert len(acc.Scalars("mean_reward")) == STEPS
             cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=true", "--timeout=60s")
     finally:
