@@ -23,8 +23,8 @@ fi
 stamp=.venv/.rljob-installed
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "==> installing rljob[operator,trainer,dev] into .venv" >&2
-  .venv/bin/uv pip install --quiet --python .venv/bin/python -e ".[operator,trainer,dev]"
+  echo "==> installing rljob[operator,trainer,tracking,dev] into .venv" >&2
+  .venv/bin/uv pip install --quiet --python .venv/bin/python -e ".[operator,trainer,tracking,dev]"
   echo "$want" > "$stamp"
 fi
 

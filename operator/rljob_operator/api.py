@@ -982,6 +982,11 @@ class ResourcesSpec(_Spec):
         description="Memory request and limit per pod, for example 8Gi. Default: none for accelerator jobs, "
         "2Gi for cpu jobs.",
     )
+    extra_resources: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="More resources each pod requests and is limited to, for example hugepages-2Mi: 1Gi or "
+        "an RDMA device plugin's resource. Default: the node pool's (spec.pool).",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1126,6 +1131,64 @@ class RestartPolicySpec(_Spec):
 
 
 # --------------------------------------------------------------------------------------------
+# spec.export, spec.tracking: what a run leaves behind and where its curves go
+# --------------------------------------------------------------------------------------------
+_POOL_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ExportSpec(_Spec):
+    """Hugging Face exports under <checkpoint.path>/hf (servable by transformers, peft and vLLM)."""
+
+    every_checkpoint: bool = Field(
+        True, description="Also export <checkpoint.path>/hf/step-<N> at every checkpoint."
+    )
+    final: bool = Field(True, description="Export <checkpoint.path>/hf/final when the run ends.")
+    merge_lora: bool = Field(
+        True,
+        description="With LoRA, write the merged model under merged/ next to the PEFT adapter (the adapter "
+        "is always written).",
+    )
+
+
+class WandbTrackingSpec(_Spec):
+    """Weights & Biases run settings."""
+
+    project: str = Field(min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, min_length=1, max_length=128, description="W&B team or user.")
+    run_name: str | None = Field(
+        None, min_length=1, max_length=128, description="Run name. Default: the RLJob's name."
+    )
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline keeps the run under the checkpoint volume for `wandb sync`."
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding the W&B API key (becomes WANDB_API_KEY in the trainer pods)."
+    )
+
+
+class MlflowTrackingSpec(_Spec):
+    """MLflow run settings."""
+
+    tracking_uri: str = Field(
+        min_length=1, max_length=2048, description="Tracking server (http(s)://...) or a file: store."
+    )
+    experiment: str = Field("rljob", min_length=1, max_length=256, description="Experiment name.")
+    run_name: str | None = Field(
+        None, min_length=1, max_length=256, description="Run name. Default: the RLJob's name."
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding a tracking token (becomes MLFLOW_TRACKING_TOKEN)."
+    )
+
+
+class TrackingSpec(_Spec):
+    """Experiment trackers. TensorBoard event files are always written to <checkpoint.path>/tensorboard."""
+
+    wandb: WandbTrackingSpec | None = Field(None, description="Also log to Weights & Biases.")
+    mlflow: MlflowTrackingSpec | None = Field(None, description="Also log to MLflow.")
+
+
+# --------------------------------------------------------------------------------------------
 # The spec
 # --------------------------------------------------------------------------------------------
 class RLJobSpec(_Spec):
@@ -1162,6 +1225,19 @@ class RLJobSpec(_Spec):
         default_factory=NodePoolSpec, description="Scheduling of dedicated rollout pods."
     )
     image: ImageSpec = Field(default_factory=ImageSpec, description="Container images.")
+    pool: str | None = Field(
+        None,
+        min_length=1,
+        max_length=63,
+        pattern=_POOL_NAME,
+        description="Node pool of the operator's Helm values (pools.<name>) whose defaults apply: trainer "
+        "image, tolerations, nodeSelector, device catalog additions, extra resources. Default: the pool "
+        "whose acceleratorKinds include resources.accelerator.kind, else the chart's defaultPool.",
+    )
+    export: ExportSpec = Field(default_factory=ExportSpec, description="Hugging Face / PEFT exports.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Experiment trackers (TensorBoard always; W&B, MLflow)."
+    )
     checkpoint: CheckpointSpec = Field(
         default_factory=CheckpointSpec, description="Checkpoint volume and interval."
     )
@@ -1280,6 +1356,9 @@ class ProgressStatus(_Status):
     )
     last_sync_time: Timestamp | None = Field(
         None, description="When weights were last synced to the rollout engines."
+    )
+    export_path: str | None = Field(
+        None, description="Newest Hugging Face export in the trainer pod, for example /checkpoints/hf/final."
     )
 
 

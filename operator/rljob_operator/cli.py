@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rljob_operator import api, crd, planning
+from rljob_operator import api, console, crd, planning
 from rljob_operator import estimator as est
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="operator log level (default $RLJOB_LOG_LEVEL or INFO)",
     )
     op.set_defaults(func=cmd_operator)
+
+    console.add_subcommands(sub)  # status, logs
     return parser
 
 

@@ -42,7 +42,19 @@ from typing import Any, Literal
 import kopf
 import pydantic
 
-from rljob_operator import api, builders, errors, kube, metrics, names, planning, policy, reconcile, status
+from rljob_operator import (
+    api,
+    builders,
+    errors,
+    kube,
+    metrics,
+    names,
+    planning,
+    policy,
+    pools,
+    reconcile,
+    status,
+)
 from rljob_operator.estimator import presets
 from rljob_trainer import telemetry
 
@@ -456,6 +468,7 @@ async def _step_plan(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed,
         raise cache.error  # a spec error waits for a new generation: no API call until then
     try:
         spec = api.RLJobSpec.model_validate(ctx.raw_spec)
+        spec = pools.with_pool_defaults(spec, await _pool_catalog(ctx.state.kube))
         bad_name = names.validate_job_name(ctx.job.name)
         if bad_name:
             raise errors.InvalidSpecError("metadata.name", bad_name)
@@ -815,6 +828,25 @@ async def _post_events(ctx: _Ctx) -> None:
         except Exception as exc:
             ctx.logger.warning(f"could not post Event {event['reason']} on {ctx.key}: {exc}")
     ctx.events.clear()
+
+
+# ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.pools) ----------------------
+POOLS_CONFIGMAP = os.environ.get("RLJOB_POOLS_CONFIGMAP", "")  # "<namespace>/<name>"; empty: no pools
+POOLS_REFRESH_S = 10.0
+_pools_read: list[tuple[float, pools.PoolCatalog]] = []
+
+
+async def _pool_catalog(kube_: kube.Kube) -> pools.PoolCatalog:
+    """The chart-rendered pool defaults, re-read at most every POOLS_REFRESH_S (helm upgrade applies)."""
+    if not POOLS_CONFIGMAP:
+        return pools.PoolCatalog()
+    if _pools_read and time.monotonic() - _pools_read[0][0] < POOLS_REFRESH_S:
+        return _pools_read[0][1]
+    namespace, _, name = POOLS_CONFIGMAP.partition("/")
+    cm = await kube_.read_config_map(namespace, name)
+    catalog = pools.parse_pool_catalog(((cm or {}).get("data") or {}).get(pools.POOLS_KEY))
+    _pools_read[:] = [(time.monotonic(), catalog)]
+    return catalog
 
 
 # ---- entry point ---------------------------------------------------------------------------------

@@ -152,6 +152,7 @@ def _progress(spec: api.RLJobSpec | None, report: SyncReport | None, old: api.Pr
         loss=_significant(report.loss),
         tokens_per_second=round(report.tokens_per_s, 1),
         last_sync_time=datetime.fromtimestamp(report.time, tz=timezone.utc),
+        export_path=report.export_path or (old.export_path if old else None),
     )
 
 

@@ -221,6 +221,8 @@ class LocalCluster:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=RBAC",
+                # Fake nodes' Hostname addresses do not resolve; their kubelet (logs) is on 127.0.0.1.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=false",
                 "--endpoint-reconciler-type=none",
                 "--v=1",

@@ -70,6 +70,8 @@ import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from testenv import kubelet_logs
+
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_S = 40
 LEASE_RENEW_S = 10.0
@@ -364,11 +366,14 @@ class FakeKubelet:
         self._log_dir = log_dir  # `<namespace>_<pod>.log` there (appended to across pod restarts)
         self._unpullable: set[str] = set()  # images whose pull fails (plus any on a *.invalid host)
         self._blocked: set[str] = set()  # uids of pods waiting to start (their recheck loop runs)
+        # The kubelet's /containerLogs endpoint (`kubectl logs`), one for every node of this kubelet.
+        self._logs = kubelet_logs.KubeletLogServer(self._log_of)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
     def register_node(self, manifest: dict[str, Any]) -> None:
         name = manifest["metadata"]["name"]
+        manifest["status"].setdefault("daemonEndpoints", {"kubeletEndpoint": {"Port": self._logs.port}})
         # Node status is writable on create, as a kubelet registering itself does.
         try:
             self._core.create_node(manifest)
@@ -725,6 +730,14 @@ class FakeKubelet:
             return local.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def _log_of(self, namespace: str, name: str) -> tuple[Path, Callable[[], bool]] | None:
+        """The latest local-exec pod's log file and whether its process still runs."""
+        with self._lock:
+            local = self._by_name.get((namespace, name))
+        if local is None:
+            return None
+        return local.log_path, lambda: local.process is not None and local.process.poll() is None
 
     def local_pids(self, namespace: str, name: str) -> list[int]:
         """Live processes of the latest local-exec pod `namespace/name` (empty once it is gone)."""
@@ -1145,6 +1158,7 @@ class FakeKubelet:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._logs.start()
         for target, name in ((self._lease_loop, "fakelet-leases"), (self._pod_loop, "fakelet-pods")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -1152,6 +1166,7 @@ class FakeKubelet:
 
     def stop(self) -> None:
         self._stop.set()
+        self._logs.stop()
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()

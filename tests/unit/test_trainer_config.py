@@ -105,21 +105,9 @@ def _report(step: int) -> telemetry.SyncReport:
 def test_sync_report_json_is_camel_case():
     data = json.loads(telemetry.dump_reports([_report(1)]))[0]
     assert set(data) == {
-        "step",
-        "time",
-        "intervalS",
-        "trainerWaitS",
-        "generationS",
-        "trainingS",
-        "inflightRequestSeconds",
-        "engineSeconds",
-        "snapshotInflight",
-        "sharedEnginesAwake",
-        "dedicatedEngines",
-        "meanReward",
-        "loss",
-        "tokensPerS",
-        "responseLenMean",
+        "step", "time", "intervalS", "trainerWaitS", "generationS", "trainingS",
+        "inflightRequestSeconds", "engineSeconds", "snapshotInflight", "sharedEnginesAwake",
+        "dedicatedEngines", "meanReward", "loss", "tokensPerS", "responseLenMean", "exportPath",
     }
     assert telemetry.parse_reports(json.dumps([data])) == [_report(1)]
     assert _report(1).mean_busy == 1.5

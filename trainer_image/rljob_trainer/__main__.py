@@ -11,6 +11,8 @@ nvidia/amd, `{"NPU": n}` for Ascend: $RLJOB_NUM_ACCELERATORS, $RLJOB_RAY_ACCELER
 marker (`rljob_trainer_<i>`: one unit per accelerator, which
 the driver's placement groups ask for; `rljob_rollout_<j>`: 1). On failure `run()` writes the
 cause to the container's termination message (`rljob_trainer.termination`).
+`python -m rljob_trainer export --checkpoint DIR --out DIR` writes a checkpoint in Hugging Face
+format instead (`rljob_trainer.export`).
 Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
 `--local` skips Ray altogether (one rank, same driver code). Callers: the pod command, tests.
 """
@@ -112,6 +114,11 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["export"]:  # `python -m rljob_trainer export --checkpoint DIR --out DIR`
+        from rljob_trainer import export
+
+        return export.main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m rljob_trainer", description=__doc__.splitlines()[0])
     p.add_argument(
         "--config",
@@ -126,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="without a cluster: rollout pods to simulate (default rollout.dedicatedEngines)",
     )
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = os.environ
     role = env.get(config_mod.ENV_ROLE, config_mod.ROLE_TRAINER)

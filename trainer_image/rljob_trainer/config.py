@@ -329,6 +329,42 @@ class DistributedSettings(_Model):
         return list(self.trainer_pod_ranks or [self.num_trainer_ranks])
 
 
+# ---- export and experiment tracking (rljob_trainer.export, rljob_trainer.tracking) ---------------
+class ExportSettings(_Model):
+    every_checkpoint: bool = Field(
+        True, description="Also export <dir>/step-<N> in Hugging Face format at every checkpoint."
+    )
+    final: bool = Field(True, description="Export <dir>/final at the end of the run.")
+    merge_lora: bool = Field(
+        True, description="With LoRA, also write the merged model under merged/ next to the adapter."
+    )
+    dir: str | None = Field(None, description="Where exports go. Default: <checkpoint.dir>/hf.")
+
+
+class WandbSettings(_Model):
+    project: str = Field(..., min_length=1, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user).")
+    run_name: str | None = Field(None, description="Run name. Default: the job name.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline writes runs under <dir>/wandb to `wandb sync` later."
+    )
+    api_key_env: str = Field("WANDB_API_KEY", description="Env var holding the API key; never the key.")
+
+
+class MlflowSettings(_Model):
+    tracking_uri: str = Field(..., min_length=1, description="MLflow tracking URI (http(s)://..., file:...).")
+    experiment: str = Field("rljob", min_length=1, description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="Run name. Default: the job name.")
+
+
+class TrackingSettings(_Model):
+    tensorboard_dir: str | None = Field(
+        None, description="TensorBoard event files (always written). Default: <checkpoint.dir>/tensorboard."
+    )
+    wandb: WandbSettings | None = Field(None, description="Weights & Biases (needs the tracking extra).")
+    mlflow: MlflowSettings | None = Field(None, description="MLflow (needs the tracking extra).")
+
+
 class TrainerConfig(_Model):
     """Everything one GRPO job needs; rendered by the operator, read by `python -m rljob_trainer`."""
 
@@ -342,6 +378,8 @@ class TrainerConfig(_Model):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     log_interval_steps: int = Field(1, ge=1)
 
     @model_validator(mode="after")

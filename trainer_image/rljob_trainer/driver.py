@@ -32,11 +32,13 @@ from rljob_trainer import (
     data,
     dispatcher,
     dp_balance,
+    export,
     modeling,
     rewards,
     runtimes,
     telemetry,
     telemetry_sink,
+    tracking,
     trainer,
 )
 from rljob_trainer import config as config_mod
@@ -139,6 +141,7 @@ class GRPODriver:
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
         self._weights: tuple[int, Any] | None = None
+        self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -455,6 +458,9 @@ class GRPODriver:
         self._sync_point(metrics, gen_s, train_s)
         if cfg.checkpoint.dir and (step % cfg.checkpoint.interval_steps == 0 or step == g.max_steps):
             self._save()
+            if cfg.export.every_checkpoint and not (cfg.export.final and step == g.max_steps):
+                self._export(export.step_name(step))  # the last step's export is `final`
+        self.tracker.log_step(metrics, self.state.history[-1] if self.state.history else None)
         if self.metrics_path:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(metrics, default=str) + "\n")
@@ -481,6 +487,8 @@ class GRPODriver:
         )
         self.state.history = telemetry.append_report(self.state.history, report)
         metrics["busy_mean"] = report.mean_busy
+        metrics["engines_awake"] = report.shared_engines_awake + report.dedicated_engines
+        metrics["engines_total"] = self.cfg.rollout.shared_engines + report.dedicated_engines
         metrics["inflight_request_seconds"] = load.inflight_request_seconds
         metrics["engine_seconds"] = load.engine_seconds
         targets = None
@@ -512,9 +520,26 @@ class GRPODriver:
         out = []
         while self.state.step < last:
             out.append(self.step())
+        if self.cfg.export.final and self.state.step >= self.cfg.grpo.max_steps:
+            self._export(export.FINAL)
         return out
 
+    def _export(self, name: str) -> None:
+        """Export the policy (`rljob_trainer.export`) and report its path in the latest SyncReport."""
+        root = export.export_root(self.cfg)
+        if root is None:
+            return
+        out = root / name
+        self.rt.get([self.rt.submit(r, "export_hf", str(out), self.state.step) for r in self.ranks])
+        export.prune_step_exports(root, keep_last=self.cfg.checkpoint.keep_last)
+        if self.state.history:
+            last = self.state.history[-1].model_copy(update={"export_path": str(out)})
+            self.state.history[-1] = last
+            if self.sink is not None:
+                self.sink.write_history(self.state.history)
+
     def shutdown(self) -> None:
+        self.tracker.close()
         for r in self.ranks:
             try:
                 self.rt.get(self.rt.submit(r, "shutdown"))

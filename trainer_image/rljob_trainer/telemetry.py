@@ -52,6 +52,9 @@ class SyncReport(BaseModel):
     loss: float = Field(...)
     tokens_per_s: float = Field(..., alias="tokensPerS", ge=0, description="Trained tokens per second.")
     response_len_mean: float = Field(..., alias="responseLenMean", ge=0, description="Tokens.")
+    export_path: str | None = Field(
+        None, alias="exportPath", description="Newest Hugging Face export (rljob_trainer.export), if any."
+    )
 
     @property
     def mean_busy(self) -> float:

@@ -119,6 +119,10 @@ class TelemetrySink:
         """Log the step's metrics, set gauges, and write the report history to the ConfigMap."""
         log.info("step %s %s", metrics.get("step"), json.dumps(dict(metrics), default=str, sort_keys=True))
         self._set_gauges(metrics)
+        self.write_history(history)
+
+    def write_history(self, history: Sequence[telemetry.SyncReport]) -> None:
+        """Write the report history to the telemetry ConfigMap (no-op without a cluster)."""
         if self._core is None or not history:
             return
         body = {"data": {telemetry.REPORTS_KEY: telemetry.dump_reports(history)}}

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob_trainer import algos, microbatch, modeling, packing
+from rljob_trainer import algos, export, microbatch, modeling, packing
 from rljob_trainer import config as config_mod
 
 
@@ -420,6 +420,12 @@ class TrainingRank:
         """Full merged weights for the engines on rank 0 (every rank must call: FSDP2 gathers)."""
         weights = dict(modeling.iter_engine_weights(self._parts()[0]))
         return weights if self.rank == 0 else None
+
+    def export_hf(self, out_dir: str, step: int) -> dict[str, Any] | None:
+        """Export the policy in Hugging Face format (all ranks must call; rank 0 writes, see export)."""
+        model = self._parts()[0]
+        offload = self.device_kind != "cpu"
+        return export.export_from_rank(model, self.cfg, out_dir, step=step, rank=self.rank, offload=offload)
 
     def get_train_state(self) -> dict[str, Any] | None:
         """Trainable weights, optimizer state and every rank's RNG, on rank 0 (all ranks must call)."""

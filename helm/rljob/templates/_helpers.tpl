@@ -129,3 +129,8 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
   verbs: [list, watch]
 {{- end }}
 {{- end -}}
+
+{{/* The ConfigMap holding the node-pool defaults (key pools.json). */}}
+{{- define "rljob.poolsConfigMap" -}}
+{{- printf "%s-pools" (include "rljob.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

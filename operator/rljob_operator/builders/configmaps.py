@@ -135,6 +135,29 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     }
 
 
+# Env vars the trainer pods get from the tracking Secrets (spec.tracking.*SecretRef).
+WANDB_API_KEY_ENV = "WANDB_API_KEY"
+MLFLOW_TOKEN_ENV = "MLFLOW_TRACKING_TOKEN"
+
+
+def _tracking_settings(spec: api.RLJobSpec) -> dict[str, Any]:
+    t = spec.tracking
+    out: dict[str, Any] = {}
+    if t.wandb is not None:
+        w = t.wandb
+        out["wandb"] = {
+            "project": w.project,
+            "entity": w.entity,
+            "run_name": w.run_name,
+            "mode": w.mode,
+            "api_key_env": WANDB_API_KEY_ENV,
+        }
+    if t.mlflow is not None:
+        m = t.mlflow
+        out["mlflow"] = {"tracking_uri": m.tracking_uri, "experiment": m.experiment, "run_name": m.run_name}
+    return out
+
+
 def render_trainer_config(
     spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None = None
 ) -> tc.TrainerConfig:
@@ -192,6 +215,12 @@ def render_trainer_config(
             "dir": spec.checkpoint.path,
             "interval_steps": spec.checkpoint.interval_steps or g.max_steps,
         },
+        "export": {
+            "every_checkpoint": spec.export.every_checkpoint,
+            "final": spec.export.final,
+            "merge_lora": spec.export.merge_lora,
+        },
+        "tracking": _tracking_settings(spec),
         "telemetry": {"enabled": True},
         "distributed": {
             "num_trainer_ranks": plan.trainer_accelerators or 1,

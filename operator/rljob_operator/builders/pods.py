@@ -30,6 +30,8 @@ REWARD_VOLUME_PREFIX = "reward-"
 TMP_VOLUME = "tmp"
 SHM_VOLUME = "dshm"
 RAY_DASHBOARD_PORT = 8265
+METRICS_PORT_NAME = "metrics"
+TRAINER_METRICS_PORT = int(tc.TelemetrySettings().prometheus_port or 9400)
 CPU_DEFAULT = "1"
 MEMORY_DEFAULT = "2Gi"
 
@@ -68,6 +70,8 @@ def _resources(spec: api.RLJobSpec, accelerators: int) -> dict[str, Any]:
         amounts["cpu"] = str(cpu)
     if memory is not None:
         amounts["memory"] = str(memory)
+    for extra, amount in res.extra_resources.items():  # hugepages, RDMA: requests == limits too
+        amounts[extra] = str(amount)
     name = resource_name(spec)
     if name is not None and accelerators > 0:
         # Extended resources must have requests == limits; GPUs are never overcommitted.
@@ -173,18 +177,19 @@ def _build_pod(
                 }
             )
     hub = spec.model.source.hub
-    if hub is not None and hub.token_secret_ref is not None:
-        env.append(
-            {
-                "name": configmaps.HF_TOKEN_ENV,
-                "valueFrom": {
-                    "secretKeyRef": {"name": hub.token_secret_ref.name, "key": hub.token_secret_ref.key}
-                },
-            }
-        )
+    secrets = [(configmaps.HF_TOKEN_ENV, hub.token_secret_ref if hub is not None else None)]
+    if role == names.ROLE_TRAINER:  # trackers run in the driver on trainer pod 0
+        w, m = spec.tracking.wandb, spec.tracking.mlflow
+        secrets.append((configmaps.WANDB_API_KEY_ENV, w.api_key_secret_ref if w is not None else None))
+        secrets.append((configmaps.MLFLOW_TOKEN_ENV, m.token_secret_ref if m is not None else None))
+    for env_name, ref in secrets:
+        if ref is not None:
+            env.append({"name": env_name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     ports = [{"name": "ray-gcs", "containerPort": tc.DEFAULT_RAY_PORT, "protocol": "TCP"}]
     if role == names.ROLE_TRAINER and index == 0:
         ports.append({"name": "ray-dashboard", "containerPort": RAY_DASHBOARD_PORT, "protocol": "TCP"})
+        # The driver's Prometheus endpoint (telemetry.prometheusPort): what the chart's PodMonitor scrapes.
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts the whole job from its checkpoint
         "hostname": name,
