@@ -23,15 +23,8 @@ def _report(step: int, export_path: str | None) -> SyncReport:
 
 
 def _status(old: api.RLJobStatus, report: SyncReport) -> api.RLJobStatus:
-    return status.compute_status(
-        old,
-        status.Situation("progressing"),
-        generation=1,
-        now=NOW,
-        spec=SPEC,
-        plan=static_plan(SPEC),
-        report=report,
-    )
+    observed = status.Observed(spec=SPEC, plan=static_plan(SPEC), report=report)
+    return status.compute_status(old, observed, generation=1, now=NOW)
 
 
 def test_export_path_is_reported_and_kept() -> None:
