@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from rljob_trainer import weight_sync  # noqa: E402
 pytestmark = pytest.mark.torch
 
 ENGINE = Path(__file__).with_name("weight_sync_engine.py")
+FSDP_TRAINER = Path(__file__).with_name("weight_sync_fsdp_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
 # Small buckets so one sync is many broadcasts (the bucket seams are where bugs hide).
 BUCKET_BYTES = 8 * 1024
@@ -41,6 +43,14 @@ def build_trainer_model(lora: bool = False) -> torch.nn.Module:
     return weight_sync_engine.build_model(seed=1, lora=lora)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "trainer_image"), str(ENGINE.parent)]),
+        **extra,
+    }
+
+
 class Engine:
     """One engine worker process and its end of the conversation."""
 
@@ -52,7 +62,7 @@ class Engine:
         self.address = weight_sync.GroupAddress(name, "127.0.0.1", self.store.port, 2, "gloo", timeout_s=60)
         args = {"address": self.address.__dict__, "rank": 1, "seed": 100 + len(name), "lora": lora}
         args["out"] = str(self.out)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "trainer_image"), str(ENGINE.parent)])}
+        env = child_env()
         self.proc = subprocess.Popen(
             [sys.executable, str(ENGINE), json.dumps(args)],
             stdin=subprocess.PIPE,
@@ -157,6 +167,39 @@ def test_engine_weights_equal_the_trainers_after_each_sync(engines: dict[str, An
     after = engine.weights(2)
     assert_equal_state(after, model.state_dict())
     assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])
+
+
+def test_fsdp2_trainer_ranks_stream_sharded_weights_to_the_engine(
+    engines: dict[str, Any], tmp_path: Path
+) -> None:
+    # Two FSDP2 ranks on CPU: every parameter is a DTensor shard; rank 0 broadcasts each bucket
+    # after both ranks gathered it with full_tensor().
+    engine = engines["start"]("engine-fsdp")
+    engine.send("join")
+    engine.send("receive")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    args = json.dumps({"address": engine.address.__dict__, "version": 1, "out": str(tmp_path)})
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(FSDP_TRAINER), args],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port)
+            ),
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=600)[0] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0]
+    report = json.loads(outputs[0].strip().splitlines()[-1])
+    assert report["failed"] == {}
+    assert report["sharded"] == report["tensors"] > 0
+    assert engine.reply() == {"joined": True}
+    assert engine.reply()["version"] == 1
+    assert_equal_state(engine.weights(1), torch.load(tmp_path / "expected.pt"))
 
 
 def test_dropping_and_adding_engines_leaves_the_other_groups_working(engines: dict[str, Any]) -> None:

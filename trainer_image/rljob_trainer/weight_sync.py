@@ -334,7 +334,11 @@ def send_weights(
     trainer's own group); only rank 0 passes `groups`. `dtype` is the engine's model dtype (floating
     tensors are cast on the fly). A group whose broadcast raises is closed, left out of later buckets
     and named in `failed`; the sync goes on for the others. At most one bucket is materialized at a
-    time: peak extra memory is about `bucket_bytes` plus that bucket's gathered tensors.
+    time: peak extra memory is about `bucket_bytes` (or the largest tensor, which is never split)
+    plus that bucket's gathered tensors. A root's broadcast completes once its bytes are handed to
+    the transport, so an engine that hangs without closing its connection may go unnoticed here when
+    the payload fits in socket buffers: the caller also waits (with a timeout) on each engine's
+    `receive_weights` call, which is where a hung engine shows.
     """
     live = dict(groups)
     report = SendReport(version)
