@@ -74,7 +74,7 @@ def main() -> None:
             report = weight_sync.receive_weights(group, load)
             torch.save(snapshot(), out / f"v{report.version}.pt")
             print(
-                json.dumps({"version": report.version, "tensors": report.tensors, "bytes": report.bytes}),
+                json.dumps({"version": report.version, "tensors": report.tensors, "bytes": report.nbytes}),
                 flush=True,
             )
         elif command == "exit":

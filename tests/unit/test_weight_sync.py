@@ -1,6 +1,6 @@
 """Unit tests for rljob_trainer.weight_sync's pure parts and in-process helpers (no group needed):
 bucket planning, the manifest, what a model sends, the loaders' checks. The wire itself is tested
-across real processes in tests/integration/test_weight_sync.py."""
+across real processes in tests/integration/test_weight_sync_processes.py."""
 
 from __future__ import annotations
 
@@ -126,8 +126,8 @@ def test_without_groups_every_rank_still_walks_every_bucket_in_the_engine_dtype(
     assert fp32.tensors == bf16.tensors == len(tensors)
     assert fp32.buckets > 1 and fp32.failed == {}
     elements = sum(t.numel() for _, t in tensors)
-    assert elements * 4 <= fp32.bytes < elements * 4 + 16 * len(tensors)
-    assert elements * 2 <= bf16.bytes < elements * 2 + 16 * len(tensors)
+    assert elements * 4 <= fp32.nbytes < elements * 4 + 16 * len(tensors)
+    assert elements * 2 <= bf16.nbytes < elements * 2 + 16 * len(tensors)
 
 
 def test_merged_lora_tensors_use_base_names_and_leave_training_weights_unmerged() -> None:

@@ -304,7 +304,7 @@ class SendReport:
     version: int
     buckets: int = 0
     tensors: int = 0
-    bytes: int = 0
+    nbytes: int = 0
     failed: dict[str, str] = field(default_factory=dict)
 
 
@@ -383,7 +383,7 @@ def send_weights(
             broadcast_all(buffer)
         report.buckets += 1
         report.tensors += len(bucket.entries)
-        report.bytes += bucket.nbytes
+        report.nbytes += bucket.nbytes
     return report
 
 
@@ -392,7 +392,7 @@ class ReceiveReport:
     version: int
     buckets: int
     tensors: int
-    bytes: int
+    nbytes: int
 
 
 def receive_weights(group: WeightGroup, load: Loader) -> ReceiveReport:
