@@ -168,6 +168,17 @@ def test_engine_weights_equal_the_trainers_after_each_sync(engines: dict[str, An
     assert_equal_state(after, model.state_dict())
     assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])
 
+    # An engine serving bf16: the trainer's fp32 weights travel cast, half the bytes.
+    perturb(model, 0.1)
+    engine.send("receive")
+    bf16 = weight_sync.send_weights(
+        groups, tensors, version=3, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES
+    )
+    assert engine.reply()["version"] == 3
+    assert bf16.nbytes < report.nbytes * 0.6
+    cast = {k: v.to(torch.bfloat16).to(torch.float32) for k, v in model.state_dict().items()}
+    assert_equal_state(engine.weights(3), cast)
+
 
 def test_fsdp2_trainer_ranks_stream_sharded_weights_to_the_engine(
     engines: dict[str, Any], tmp_path: Path
@@ -252,7 +263,7 @@ def test_lora_sync_sends_only_the_adapter(engines: dict[str, Any]) -> None:
     assert report.nbytes < model_bytes / 10
 
 
-def test_a_group_that_never_forms_times_out_with_its_name() -> None:
+def test_a_group_that_never_forms_times_out() -> None:
     store = weight_sync.create_group_store("127.0.0.1", 2, timeout_s=5)
     address = weight_sync.GroupAddress("engine-missing", "127.0.0.1", store.port, 2, "gloo", timeout_s=2)
     outcome: dict[str, BaseException] = {}
