@@ -23,3 +23,4 @@ bench: setup
 	.venv/bin/python bench/dp_balance.py
 	.venv/bin/python bench/estimator.py
 	.venv/bin/python bench/adaptive.py
+	.venv/bin/python bench/weight_sync.py

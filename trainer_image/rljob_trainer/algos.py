@@ -159,6 +159,120 @@ def clipped_policy_loss_reference(
     return out
 
 
+@register_policy_loss("clipped-tis")
+def clipped_tis_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip corrected for off-policy rollouts by truncated importance sampling (decoupled PPO).
+
+    All inputs (T,). `old_logp` is the trainer's log-prob under the weights of this step (the
+    proximal policy), `rollout_logp` the engine's log-prob when it sampled the token (the behaviour
+    policy: older weights under an async pipeline, and another kernel stack either way). Each token's
+    clipped loss is weighted by w_t = min(exp(old_logp_t - rollout_logp_t), tis_cap), a constant
+    (no gradient), as verl's TIS and Hilton et al.'s decoupled PPO do. Without `rollout_logp` it is
+    `clipped_policy_loss`. Returns (per-token loss (T,), per-token clipped indicator (T,) float).
+    """
+    loss, clipped = clipped_policy_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high)
+    if rollout_logp is None:
+        return loss, clipped
+    return loss * truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap), clipped
+
+
+def truncated_is_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, *, tis_cap: float
+) -> torch.Tensor:
+    """Per-token importance weights π_old/π_rollout, truncated at `tis_cap` and detached. (T,) -> (T,)."""
+    if tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    return torch.exp(old_logp - rollout_logp).clamp(max=tis_cap).detach()
+
+
+def clipped_tis_policy_loss_reference(
+    logp: list[float],
+    old_logp: list[float],
+    advantages: list[float],
+    rollout_logp: list[float],
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+) -> list[float]:
+    """Slow per-token reference of `clipped_tis_policy_loss` (losses only)."""
+    import math
+
+    base = clipped_policy_loss_reference(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high)
+    return [
+        loss * min(math.exp(olp - rlp), tis_cap)
+        for loss, olp, rlp in zip(base, old_logp, rollout_logp, strict=True)
+    ]
+
+
+def compute_off_policy_metrics(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    sample_versions: torch.Tensor,
+    *,
+    trainer_version: int,
+    tis_cap: float,
+) -> dict[str, torch.Tensor]:
+    """How off-policy one batch was: staleness of its samples and the importance weights' spread.
+
+    old_logp, rollout_logp, mask: (T,) over the batch's tokens (mask 1.0 on response tokens that
+    count); sample_versions: (N,) long, the weights version each sample was generated with. Staleness
+    of a sample is `trainer_version - version` (0 = on-policy). IS weights are the untruncated
+    π_old/π_rollout over masked tokens; `truncated_fraction` is the share above `tis_cap`. Returns
+    0-d tensors named `off_policy/*` (callers call `.item()`); an empty batch gives zeros.
+    """
+    staleness = (trainer_version - sample_versions).to(torch.float64)
+    keep = mask > 0
+    weights = torch.exp((old_logp - rollout_logp).to(torch.float64))[keep]
+    zero = torch.zeros((), dtype=torch.float64)
+    return {
+        "off_policy/staleness_mean": staleness.mean() if staleness.numel() else zero,
+        "off_policy/staleness_max": staleness.max() if staleness.numel() else zero,
+        "off_policy/is_weight_mean": weights.mean() if weights.numel() else zero,
+        "off_policy/is_weight_max": weights.max() if weights.numel() else zero,
+        "off_policy/truncated_fraction": (weights > tis_cap).to(torch.float64).mean()
+        if weights.numel()
+        else zero,
+    }
+
+
+def compute_off_policy_metrics_reference(
+    old_logp: list[float],
+    rollout_logp: list[float],
+    mask: list[float],
+    sample_versions: list[int],
+    *,
+    trainer_version: int,
+    tis_cap: float,
+) -> dict[str, float]:
+    """Slow reference of `compute_off_policy_metrics`."""
+    import math
+
+    staleness = [trainer_version - v for v in sample_versions]
+    weights = [math.exp(o - r) for o, r, m in zip(old_logp, rollout_logp, mask, strict=True) if m > 0]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {
+        "off_policy/staleness_mean": mean([float(s) for s in staleness]),
+        "off_policy/staleness_max": float(max(staleness, default=0)),
+        "off_policy/is_weight_mean": mean(weights),
+        "off_policy/is_weight_max": max(weights, default=0.0),
+        "off_policy/truncated_fraction": mean([float(w > tis_cap) for w in weights]),
+    }
+
+
 # ---- KL ------------------------------------------------------------------------------------------
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
     """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1/k2/k3). (T,) -> (T,).
