@@ -31,7 +31,12 @@ def test_an_empty_gang_is_refused() -> None:
 
 
 def test_with_scheduling_group_names_the_group_on_a_copy() -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-trainer-0"}, "spec": {"containers": []}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-trainer-0"},
+        "spec": {"containers": []},
+    }
     before = copy.deepcopy(pod)
     grouped = podgroup.with_scheduling_group(pod, "demo")
     assert grouped["spec"]["schedulingGroup"] == {"podGroupName": "demo"}
