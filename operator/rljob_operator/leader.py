@@ -328,10 +328,10 @@ def run_as_leader(
     identity: str | None = None,
 ) -> int:
     """Wait for the Lease, then `run()` (the operator) while renewing it; release it when `run` returns."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="[%(asctime)s] %(name)-20s [%(levelname)-8s] %(message)s"
-        )
+    # Until kopf configures logging (in `run`), the election logs through a handler of its own.
+    standby_log = logging.StreamHandler()
+    standby_log.setFormatter(logging.Formatter("[%(asctime)s] %(name)-20s [%(levelname)-8s] %(message)s"))
+    logging.getLogger().addHandler(standby_log)
     logger.setLevel(logging.INFO)
     configuration = kubeclient.load_configuration()
     api_client = kubernetes.client.ApiClient(configuration)
@@ -343,6 +343,7 @@ def run_as_leader(
     )
     with standby_health(health_endpoint, elector):
         elector.acquire()
+    logging.getLogger().removeHandler(standby_log)
     stop = threading.Event()
     renewer = threading.Thread(
         target=elector.renew_until, args=(stop, _exit_lost), name="rljob-lease-renewer", daemon=True
