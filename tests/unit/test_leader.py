@@ -5,10 +5,12 @@ tests/integration/test_leader_election.py."""
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 
 import pytest
 
-from rljob_operator import leader
+from rljob_operator import cli, leader
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 T1 = T0 + datetime.timedelta(seconds=2)
@@ -72,3 +74,37 @@ def test_timing_must_let_a_lost_holder_stop_before_anyone_else_may_lead(
 ) -> None:
     with pytest.raises(ValueError, match="retry_period_s < renew_deadline_s < lease_duration_s"):
         leader.ElectionTiming(lease_duration_s=duration, renew_deadline_s=deadline, retry_period_s=retry)
+
+
+class _UnreachableApi:
+    """A CoordinationV1Api whose every call fails, as when the apiserver cannot be reached."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def read_namespaced_lease(self, *args: object, **kwargs: object) -> None:
+        self.calls += 1
+        raise ConnectionRefusedError("apiserver unreachable")
+
+
+def test_a_holder_that_cannot_renew_gives_up_within_the_renew_deadline() -> None:
+    """The shell's loop: no renewal for renew_deadline_s means lost, well before the lease expires
+    for the others (the integration test covers the Lease taken by another candidate)."""
+    timing = leader.ElectionTiming(lease_duration_s=2, renew_deadline_s=0.5, retry_period_s=0.05)
+    api = _UnreachableApi()
+    elector = leader.LeaderElector(api, "ns", "me", timing=timing)  # type: ignore[arg-type]
+    lost: list[str] = []
+    started = time.monotonic()
+    elector.renew_until(threading.Event(), lost.append)
+    elapsed = time.monotonic() - started
+    assert lost == ["Lease ns/rljob-operator not renewed for 0.5 s"]
+    assert 0.5 <= elapsed < timing.lease_duration_s
+    assert api.calls >= 5  # it kept retrying every retry period until the deadline
+
+
+def test_rljob_operator_elects_by_default_and_can_opt_out() -> None:
+    parser = cli.build_parser()
+    default = parser.parse_args(["operator"])
+    assert default.leader_election is True and default.leader_election_namespace is None
+    dev = parser.parse_args(["operator", "--no-leader-election", "--leader-election-namespace", "ops"])
+    assert dev.leader_election is False and dev.leader_election_namespace == "ops"
