@@ -164,16 +164,30 @@ class LeaderElector:
         self._lease: kubernetes.client.V1Lease | None = None
         # Monotonic time of the last successful read or write of the Lease (standby liveness).
         self.last_contact = time.monotonic()
+        # Monotonic time at which the last successful acquire/renew round began: a holder counts its
+        # renew deadline from there, a moment before anyone else could have seen that write.
+        self.renewed_at = 0.0
+        # While renewing: no request may outlast this moment (None while acquiring).
+        self._deadline_at: float | None = None
 
     @property
     def lease_key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
     def _timeout(self) -> float:
-        return self.timing.retry_period_s
+        if self._deadline_at is None:
+            return self.timing.retry_period_s
+        return max(0.05, min(self.timing.retry_period_s, self._deadline_at - time.monotonic()))
 
     def try_acquire_or_renew(self) -> bool:
         """One round: read the Lease and write ourselves into it if the rules allow. True: we hold it."""
+        started = time.monotonic()
+        if self._round():
+            self.renewed_at = started
+            return True
+        return False
+
+    def _round(self) -> bool:
         try:
             lease = self.api.read_namespaced_lease(
                 self.name, self.namespace, _request_timeout=self._timeout()
@@ -239,18 +253,29 @@ class LeaderElector:
         return False
 
     def renew_until(self, stop: threading.Event, on_lost: Callable[[str], None]) -> None:
-        """Renew every retry period until `stop` is set; call `on_lost(why)` once the Lease is lost."""
-        last_success_start = time.monotonic()
-        while not stop.wait(self.timing.retry_period_s):
-            started = time.monotonic()
+        """Renew every retry period until `stop` is set; call `on_lost(why)` once the Lease is lost:
+        taken by another candidate, or not renewed for `renew_deadline_s` (every request is cut
+        short at that deadline, so the loss is noticed on time even when the apiserver hangs)."""
+        try:
+            self._renew_until(stop, on_lost)
+        finally:
+            self._deadline_at = None
+
+    def _renew_until(self, stop: threading.Event, on_lost: Callable[[str], None]) -> None:
+        while True:
+            self._deadline_at = self.renewed_at + self.timing.renew_deadline_s
+            remaining = self._deadline_at - time.monotonic()
+            if remaining <= 0:
+                on_lost(f"Lease {self.lease_key} not renewed for {self.timing.renew_deadline_s:g} s")
+                return
+            if stop.wait(min(self.timing.retry_period_s, remaining)):
+                return
+            if time.monotonic() >= self._deadline_at:
+                continue  # reported at the top of the loop
             if self.try_acquire_or_renew():
-                last_success_start = started
                 continue
             if self._observed is not None and self._observed.holder not in ("", self.identity):
                 on_lost(f"Lease {self.lease_key} is held by {self._observed.holder}")
-                return
-            if time.monotonic() - last_success_start >= self.timing.renew_deadline_s:
-                on_lost(f"Lease {self.lease_key} not renewed for {self.timing.renew_deadline_s:g} s")
                 return
 
     def release(self) -> None:

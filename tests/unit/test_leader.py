@@ -94,11 +94,12 @@ def test_a_holder_that_cannot_renew_gives_up_within_the_renew_deadline() -> None
     api = _UnreachableApi()
     elector = leader.LeaderElector(api, "ns", "me", timing=timing)  # type: ignore[arg-type]
     lost: list[str] = []
-    started = time.monotonic()
+    started = elector.renewed_at = time.monotonic()  # as a successful acquire() leaves it
     elector.renew_until(threading.Event(), lost.append)
     elapsed = time.monotonic() - started
     assert lost == ["Lease ns/rljob-operator not renewed for 0.5 s"]
-    assert 0.5 <= elapsed < timing.lease_duration_s
+    # Given up at the deadline, not a retry period or a request timeout later.
+    assert 0.5 <= elapsed < 0.5 + 2 * timing.retry_period_s
     assert api.calls >= 5  # it kept retrying every retry period until the deadline
 
 
@@ -108,3 +109,31 @@ def test_rljob_operator_elects_by_default_and_can_opt_out() -> None:
     assert default.leader_election is True and default.leader_election_namespace is None
     dev = parser.parse_args(["operator", "--no-leader-election", "--leader-election-namespace", "ops"])
     assert dev.leader_election is False and dev.leader_election_namespace == "ops"
+
+
+class _HangingApi:
+    """A CoordinationV1Api whose reads hang for as long as the caller lets them (the request timeout)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def read_namespaced_lease(self, *args: object, _request_timeout: float, **kwargs: object) -> None:
+        self.timeouts.append(_request_timeout)
+        time.sleep(_request_timeout)
+        raise TimeoutError("read timed out")
+
+
+def test_a_hanging_apiserver_cannot_keep_a_holder_past_its_renew_deadline() -> None:
+    # The first renewal starts 0.2 s in, with 0.1 s left before the deadline.
+    timing = leader.ElectionTiming(lease_duration_s=2, renew_deadline_s=0.3, retry_period_s=0.2)
+    api = _HangingApi()
+    elector = leader.LeaderElector(api, "ns", "me", timing=timing)  # type: ignore[arg-type]
+    lost: list[str] = []
+    started = elector.renewed_at = time.monotonic()
+    elector.renew_until(threading.Event(), lost.append)
+    elapsed = time.monotonic() - started
+    assert lost and "not renewed" in lost[0]
+    assert elapsed < 0.3 + 0.15, elapsed
+    # Each request was cut to what was left before the deadline (and never beyond a retry period).
+    assert api.timeouts and all(t <= 0.2 for t in api.timeouts)
+    assert api.timeouts[-1] < 0.15
