@@ -32,6 +32,10 @@ def cluster() -> Iterator[LocalCluster]:
 def kueue(cluster: LocalCluster) -> kueue_env.Kueue:
     """The real Kueue manager (built from sigs.k8s.io/kueue, see testenv.kueue) on the session's
     cluster: started on first use, stopped with the cluster."""
+    try:
+        kueue_env.check_mount_namespace()
+    except kueue_env.KueueUnavailable as exc:
+        pytest.skip(str(exc))
     return kueue_env.start_kueue(cluster)
 
 

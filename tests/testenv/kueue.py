@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -198,17 +199,34 @@ def _apply(cluster: LocalCluster, docs: Iterable[dict[str, Any]]) -> None:
     )
 
 
-def _launcher(certs: pki.ServingPki, argv: list[str]) -> list[str]:
-    """`argv` in a private mount namespace where the metrics pair sits at METRICS_CERT_DIR."""
+class KueueUnavailable(RuntimeError):
+    """This machine cannot run the Kueue manager as testenv runs it (the message says why and the fix)."""
+
+
+def check_mount_namespace() -> None:
+    """Raise KueueUnavailable unless `unshare --mount` works here and the mount point exists."""
     if shutil.which("unshare") is None:
-        raise RuntimeError("Kueue needs `unshare` (util-linux) to mount its metrics certificate")
+        raise KueueUnavailable("Kueue needs `unshare` (util-linux) to mount its metrics certificate")
     try:
         METRICS_CERT_DIR.mkdir(parents=True, exist_ok=True)
     except PermissionError as exc:
-        raise RuntimeError(
+        raise KueueUnavailable(
             f"Kueue reads its metrics certificate from {METRICS_CERT_DIR} (hard-coded in cmd/kueue); "
             f"create the empty mount point once: sudo mkdir -p {METRICS_CERT_DIR}"
         ) from exc
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        raise KueueUnavailable(
+            "Kueue runs in a private mount namespace (`unshare --mount`), which needs root here: "
+            f"{probe.stderr.strip()}"
+        )
+
+
+def _launcher(certs: pki.ServingPki, argv: list[str]) -> list[str]:
+    """`argv` in a private mount namespace where the metrics pair sits at METRICS_CERT_DIR."""
+    check_mount_namespace()
     script = 'mount --bind "$0" "$1" && shift && exec "$@"'  # $0: source, $1: target
     return [
         "unshare",
