@@ -3,6 +3,7 @@
 `cluster` (session scope) starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler
 built from the Kubernetes Go modules (see `tests/testenv/`), on free loopback ports in a private
 temporary folder, and always tears them down. Each xdist worker or parallel run gets its own.
+`kueue` (session scope) adds the real Kueue manager to that cluster.
 When a test that used the cluster fails, the components' log tails are attached to its report.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from testenv import kueue as kueue_env
 from testenv.cluster import LocalCluster
 
 
@@ -34,6 +36,17 @@ def local_accelerator_nodes(cluster: LocalCluster) -> Iterator[list[str]]:
     names = cluster.add_local_accelerator_nodes()
     yield names
     cluster.delete_nodes(names)
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster: LocalCluster) -> kueue_env.Kueue:
+    """The real Kueue manager (built from sigs.k8s.io/kueue, see testenv.kueue) on the session's
+    cluster: started on first use, stopped with the cluster."""
+    try:
+        kueue_env.check_mount_namespace()
+    except kueue_env.KueueUnavailable as exc:
+        pytest.skip(str(exc))
+    return kueue_env.start_kueue(cluster)
 
 
 @pytest.fixture

@@ -1189,6 +1189,22 @@ class TrackingSpec(_Spec):
 
 
 # --------------------------------------------------------------------------------------------
+# Shared clusters: spec.preemption (the Kueue labels on an RLJob's metadata: names.kueue_queue_name)
+# --------------------------------------------------------------------------------------------
+class PreemptionSpec(_Spec):
+    """What happens when Kueue evicts or preempts the job (cooperative preemption)."""
+
+    checkpoint_grace_seconds: int = Field(
+        300,
+        ge=0,
+        le=86400,
+        description="Seconds the driver gets to write a checkpoint after Kueue evicts or preempts the job, "
+        "before its pods are deleted; the job resumes from that checkpoint when readmitted. 0 deletes the "
+        "pods at once (the job resumes from its last periodic checkpoint).",
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # The spec
 # --------------------------------------------------------------------------------------------
 class RLJobSpec(_Spec):
@@ -1243,6 +1259,10 @@ class RLJobSpec(_Spec):
     )
     restart_policy: RestartPolicySpec = Field(
         default_factory=RestartPolicySpec, description="Restarts after pod failures."
+    )
+    preemption: PreemptionSpec = Field(
+        default_factory=PreemptionSpec,
+        description="Cooperative preemption: the checkpoint grace when Kueue evicts or preempts the job.",
     )
     suspend: bool = Field(
         False, description="true deletes the pods and keeps the job (resume from the last checkpoint)."

@@ -1,7 +1,8 @@
 """The `rljob` command: plan or render a job offline, validate manifests, generate the CRD, run the operator.
 
 Entry point of the `rljob` console script. A thin shell: every subcommand parses its flags and calls
-one function of the core (`planning.plan_job`, `crd.write_crds`, `handlers.run_operator`). kopf is
+one function of the core (`planning.plan_job`, `crd.write_crds`, `handlers.run_operator`, the latter
+inside `leader.run_as_leader` unless `--no-leader-election`). kopf is
 imported only by `rljob operator`, so `plan`, `validate` and `crd` work with the core install alone.
 """
 
@@ -173,12 +174,20 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_operator(args: argparse.Namespace) -> int:
     from rljob_operator import handlers  # kopf only here
 
-    handlers.run_operator(
-        None if args.all_namespaces else args.namespace,
-        liveness_endpoint=args.liveness,
-        log_level=args.log_level,
-    )
-    return 0
+    def run() -> None:
+        handlers.run_operator(
+            None if args.all_namespaces else args.namespace,
+            liveness_endpoint=args.liveness,
+            log_level=args.log_level,
+        )
+
+    if not args.leader_election:
+        run()
+        return 0
+    from rljob_operator import kubeclient, leader
+
+    namespace = leader.lease_namespace(args.leader_election_namespace, kubeclient.in_cluster_namespace())
+    return leader.run_as_leader(run, namespace=namespace, health_endpoint=args.liveness)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,6 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RLJOB_LOG_LEVEL", "INFO"),
         choices=["DEBUG", "INFO", "WARNING"],
         help="operator log level (default $RLJOB_LOG_LEVEL or INFO)",
+    )
+    op.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reconcile only while holding the Lease rljob-operator, so replicas never both write "
+        "(default on; --no-leader-election for development)",
+    )
+    op.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        help="namespace of the Lease (default: the pod's own namespace in a cluster, else default)",
     )
     op.set_defaults(func=cmd_operator)
 

@@ -13,6 +13,7 @@ characters), because `<job>-trainer-0.<job>.<ns>.svc` is how the Ray workers fin
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 # ---- label and annotation keys (prefix rljob.io, like the API group) ----------------------------
 LABEL_JOB = "rljob.io/job"
@@ -39,10 +40,60 @@ CHECKPOINT_MOUNT_DIR = "/checkpoints"
 KOPF_PREFIX = "rljob.io"
 FINALIZER = "rljob.io/finalizer"
 
+# Kueue's labels on a job (the same keys as on a batch/v1 Job): the LocalQueue that admits it and
+# the WorkloadPriorityClass of its Workload.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+
+# The coordination.k8s.io Lease the operator replicas elect their one active leader on (leader.py).
+LEADER_LEASE = "rljob-operator"
+
 # The longest pod hostname suffix we add: "-trainer-" / "-rollout-" plus a 3-digit index.
 _MAX_SUFFIX = len("-trainer-") + 3
 MAX_JOB_NAME_LENGTH = 63 - _MAX_SUFFIX
 _RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _kueue_label(labels: Mapping[str, str] | None, key: str, what: str) -> str | None:
+    value = (labels or {}).get(key)
+    if value is None:
+        return None
+    if not value or len(value) > 253 or not _DNS_SUBDOMAIN.match(value):
+        raise ValueError(
+            f"metadata.labels[{key}]: {value!r} is not a {what} name (lowercase letters, digits, '-' "
+            "and '.', starting and ending with a letter or digit); set it to the name of an existing "
+            f"{what}, or remove the label"
+        )
+    return value
+
+
+def kueue_queue_name(labels: Mapping[str, str] | None) -> str | None:
+    """The Kueue LocalQueue an RLJob asks to be admitted through (its `kueue.x-k8s.io/queue-name`
+    label, as on every Kueue-managed job), or None when the job is not queued.
+
+    Raises ValueError naming the label and the fix when the value cannot name a LocalQueue. CEL rules
+    cannot see metadata.labels, so the operator reports this as a status condition."""
+    return _kueue_label(labels, KUEUE_QUEUE_LABEL, "LocalQueue")
+
+
+def kueue_priority_class(labels: Mapping[str, str] | None) -> str | None:
+    """The Kueue WorkloadPriorityClass named by the `kueue.x-k8s.io/priority-class` label, or None."""
+    return _kueue_label(labels, KUEUE_PRIORITY_CLASS_LABEL, "WorkloadPriorityClass")
+
+
+def workload_name(job: str) -> str:
+    """The Kueue Workload that admits an RLJob's trainer and minimum rollout pods (`rljob-<job>`, the
+    kind first as Kueue names the Workloads of its own integrations, so a Job of the same name never
+    collides)."""
+    return f"rljob-{job}"
+
+
+def pod_group_name(job: str) -> str:
+    """The scheduling.k8s.io PodGroup of an RLJob's gang (trainer pods plus the minimum rollout pods)."""
+    return job
 
 
 def job_key(namespace: str, name: str) -> str:

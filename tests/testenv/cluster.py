@@ -97,6 +97,10 @@ class LocalCluster:
     workdir: Path
     bins: dict[str, Path] = field(default_factory=dict)
     node_monitor_grace_period_s: int = 60
+    # Feature gates for apiserver, controller-manager and scheduler (e.g. "GenericWorkload=true"),
+    # and API groups to serve beyond the defaults (e.g. "scheduling.k8s.io/v1beta1=true").
+    feature_gates: tuple[str, ...] = ()
+    runtime_config: tuple[str, ...] = ()
     components: list[Component] = field(default_factory=list)
     kubelet: fakelet.FakeKubelet | None = None
     owns_workdir: bool = False
@@ -225,6 +229,8 @@ class LocalCluster:
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=false",
                 "--endpoint-reconciler-type=none",
+                *self._gate_flags(),
+                *([f"--runtime-config={','.join(self.runtime_config)}"] if self.runtime_config else []),
                 "--v=1",
             ],
         )
@@ -250,6 +256,7 @@ class LocalCluster:
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 f"--node-monitor-grace-period={self.node_monitor_grace_period_s}s",
                 "--concurrent-gc-syncs=10",
+                *self._gate_flags(),
                 "--v=1",
             ],
         )
@@ -264,6 +271,7 @@ class LocalCluster:
                 f"--secure-port={scheduler_port}",
                 f"--cert-dir={self.workdir / 'scheduler'}",
                 "--leader-elect=false",
+                *self._gate_flags(),
                 "--v=1",
             ],
         )
@@ -278,12 +286,26 @@ class LocalCluster:
         self.kubelet = fakelet.FakeKubelet(self.api_client(), log_dir=self.workdir / "pod-logs")
         self.kubelet.start()
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _gate_flags(self) -> list[str]:
+        return [f"--feature-gates={','.join(self.feature_gates)}"] if self.feature_gates else []
+
+    def _spawn(self, name: str, argv: list[str]) -> Component:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        self.components.append(Component(name, process, log_path))
+        component = Component(name, process, log_path)
+        self.components.append(component)
+        return component
+
+    def start_component(self, name: str, argv: list[str]) -> Component:
+        """Run one more component (e.g. Kueue, `testenv.kueue`) as this cluster's child: its log
+        joins `logs()`, `check_alive()` watches it and `stop()` ends it before the control plane."""
+        return self._spawn(name, argv)
+
+    def check_alive(self) -> None:
+        """Raise, with its log tail, if any component has exited."""
+        self._check_alive()
 
     def _write_kubeconfig(self, certs: pki.Pki) -> None:
         kubeconfig = {

@@ -1,8 +1,10 @@
 """Certificates and keys for a throw-away local control plane.
 
-Called by `testenv.cluster` only. One CA signs the apiserver's serving certificate (SANs for
-127.0.0.1 and localhost) and an admin client certificate in `system:masters`; a separate RSA key
-signs ServiceAccount tokens. Everything is written under the cluster's temporary folder.
+Called by `testenv.cluster` and `testenv.kueue`. One CA signs the apiserver's serving certificate
+(SANs for 127.0.0.1 and localhost) and an admin client certificate in `system:masters`; a separate
+RSA key signs ServiceAccount tokens. A webhook server the apiserver calls on loopback (Kueue's)
+gets its own CA and serving certificate (`create_loopback_serving_pki`), as envtest does for
+webhooks. Everything is written under the cluster's temporary folder.
 """
 
 from __future__ import annotations
@@ -134,3 +136,37 @@ def create_pki(directory: Path) -> Pki:
         )
     )
     return pki
+
+
+@dataclass(frozen=True)
+class ServingPki:
+    """A CA (the `caBundle` of a webhook client config) and the serving pair it signed."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+def create_loopback_serving_pki(directory: Path, common_name: str) -> ServingPki:
+    """A fresh CA and a serving certificate for 127.0.0.1 and localhost, written as `ca.crt`,
+    `tls.crt` and `tls.key` (the file names controller-runtime's webhook server reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = _key()
+    ca_name = _name(f"{common_name}-ca")
+    ca = _sign(ca_name, ca_key.public_key(), ca_name, ca_key, now, ca=True)
+    key = _key()
+    cert = _sign(
+        _name(common_name),
+        key.public_key(),
+        ca_name,
+        ca_key,
+        now,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
+    serving = ServingPki(ca_cert=directory / "ca.crt", cert=directory / "tls.crt", key=directory / "tls.key")
+    serving.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    serving.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(serving.key, key)
+    return serving

@@ -64,3 +64,24 @@ def test_validate_job_name_messages_name_the_fix() -> None:
     bad = names.validate_job_name("1job")
     assert bad is not None and "RFC 1035" in bad
     assert names.validate_job_name("a" * names.MAX_JOB_NAME_LENGTH) is None
+
+
+def test_kueue_queue_and_priority_labels() -> None:
+    labels = {names.KUEUE_QUEUE_LABEL: "team-a", names.KUEUE_PRIORITY_CLASS_LABEL: "research.high"}
+    assert names.KUEUE_QUEUE_LABEL == "kueue.x-k8s.io/queue-name"
+    assert names.kueue_queue_name(labels) == "team-a"
+    assert names.kueue_priority_class(labels) == "research.high"
+    assert names.kueue_queue_name({}) is None and names.kueue_queue_name(None) is None
+    assert names.kueue_priority_class({"other": "x"}) is None
+
+
+@pytest.mark.parametrize("value", ["Team_A", "", "-q", "q-", "UPPER"])
+def test_a_label_value_that_cannot_name_a_local_queue_says_which_label_and_the_fix(value: str) -> None:
+    with pytest.raises(ValueError, match=r"metadata\.labels\[kueue\.x-k8s\.io/queue-name\].*LocalQueue"):
+        names.kueue_queue_name({names.KUEUE_QUEUE_LABEL: value})
+
+
+def test_workload_and_pod_group_names() -> None:
+    assert names.workload_name("j") == "rljob-j"
+    assert names.pod_group_name("j") == "j"
+    assert names.LEADER_LEASE == "rljob-operator"
