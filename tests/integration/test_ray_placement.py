@@ -91,7 +91,7 @@ def test_flagship_placement_from_rays_own_actor_records(ray_cluster: str):
     where = ray.get([rt.where(h) for h in [*ranks, *shared, *dedicated]], timeout=240)
     pods = rt.node_pods()
     ids = [w["accelerator_ids"].get(accelerator, []) for w in where]
-    placed = [pods[w["node_id"]] for w in where]
+    placed = [",".join(pods[w["node_id"]]) for w in where]
     assert placed == [
         "trainer-0",
         "trainer-0",

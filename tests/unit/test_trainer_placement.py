@@ -70,3 +70,14 @@ def test_cpu_jobs_pin_bundles_to_pods_without_accelerators():
     assert all(s.accelerators == 0.0 for s in (*plan.ranks, *plan.shared_engines))
     with pytest.raises(ValueError, match="GPU, NPU"):
         placement.plan_placement([1], accelerator="TPU", shared_engines=0)
+
+
+def test_a_node_stands_for_the_pods_whose_markers_it_advertises():
+    from rljob_trainer import runtimes
+
+    assert runtimes.pods_of_node({"CPU": 8, "GPU": 4, "rljob_trainer_1": 4}) == ("trainer-1",)
+    # a private local instance stands for every pod at once
+    assert runtimes.pods_of_node({"rljob_trainer_0": 2, "rljob_rollout_0": 1, "rljob_rollout_x": 1}) == (
+        "rollout-0",
+        "trainer-0",
+    )

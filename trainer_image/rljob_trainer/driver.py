@@ -176,13 +176,14 @@ class GRPODriver:
         pods = self.rt.node_pods()
         out = []
         for (name, _, planned), rec in zip(actors, records, strict=True):
-            where = pods.get(rec["node_id"])
+            node = pods.get(rec["node_id"], ())
+            where = planned if planned in node else ",".join(node) or None
             out.append(
                 {"actor": name, "pod": where, "planned": planned, "accelerators": rec["accelerator_ids"]}
             )
             if where != planned:
                 raise RuntimeError(
-                    f"{name} runs on Ray node of {where}, but the placement plan puts it on {planned}"
+                    f"{name} runs on the Ray node of {where}, but the placement plan puts it on {planned}"
                 )
         log.info("placement: %s", json.dumps(out, sort_keys=True))
         return out

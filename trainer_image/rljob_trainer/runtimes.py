@@ -116,16 +116,18 @@ class LocalRuntime:
         pass
 
 
-def pod_of_node(resources: dict[str, float]) -> str | None:
-    """`trainer-<i>` or `rollout-<j>` of a Ray node from the custom resource its pod advertises."""
-    for key in resources:
+def pods_of_node(resources: dict[str, float]) -> tuple[str, ...]:
+    """The pods (`trainer-<i>`, `rollout-<j>`) a Ray node stands for, from the marker resources it
+    advertises: one in a cluster (a pod is a node), several on a private local instance."""
+    pods = []
+    for key in sorted(resources):
         for prefix, role in (
             (config_mod.TRAINER_RESOURCE_PREFIX, "trainer"),
             (config_mod.ROLLOUT_RESOURCE_PREFIX, "rollout"),
         ):
             if key.startswith(prefix) and key[len(prefix) :].isdigit():
-                return f"{role}-{key[len(prefix) :]}"
-    return None
+                pods.append(f"{role}-{key[len(prefix) :]}")
+    return tuple(pods)
 
 
 class RayRuntime:
@@ -243,9 +245,11 @@ class RayRuntime:
         """A future of Ray's record of where `handle` runs (`Host.where`)."""
         return handle.where.remote()
 
-    def node_pods(self) -> dict[str, str | None]:
-        """Ray node id -> the pod it is (`trainer-<i>`, `rollout-<j>`), from the nodes' resources."""
-        return {n["NodeID"]: pod_of_node(n.get("Resources", {})) for n in self._ray.nodes() if n.get("Alive")}
+    def node_pods(self) -> dict[str, tuple[str, ...]]:
+        """Ray node id -> the pods it stands for (`trainer-<i>`, `rollout-<j>`), from its resources."""
+        return {
+            n["NodeID"]: pods_of_node(n.get("Resources", {})) for n in self._ray.nodes() if n.get("Alive")
+        }
 
     def wait_any(self, futures: Sequence[Any]) -> list[Any]:
         done, _ = self._ray.wait(list(futures), num_returns=1)

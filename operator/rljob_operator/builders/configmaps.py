@@ -178,7 +178,8 @@ def render_trainer_config(
                 function=fn.module.function,
             )
         rewards.append(item)
-    layout = compute_layout(spec, plan)
+    # Ranks per trainer pod, as the pods are laid out (a plan without trainer accelerators: one rank).
+    pod_ranks = list(compute_layout(spec, plan).trainer_accelerators) if plan.trainer_accelerators else [1]
     data = {
         "model": _model_settings(spec, model_config),
         "lengths": {
@@ -227,7 +228,7 @@ def render_trainer_config(
             "device": _DEVICE[spec.resources.accelerator.kind],
             "launcher": "ray",
             "accelerator": tc.RAY_ACCELERATORS[spec.resources.accelerator.kind],
-            "trainer_pod_ranks": list(layout.trainer_accelerators),
+            "trainer_pod_ranks": pod_ranks,
             "rank_num_cpus": ACCELERATOR_ACTOR_CPUS if gpu else 1.0,
         },
     }
