@@ -116,4 +116,3 @@ class InternalError(RLJobError):
         error = cls(step, f"{type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
-

@@ -146,13 +146,15 @@ async def rljob_startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = kube.API_THREADS
+    # First what may fail (a busy port): kopf retries the startup, which must not leave a second
+    # API client or resync loop behind.
+    if metrics.start_metrics_server(METRICS_PORT):
+        logger.info(f"metrics on :{METRICS_PORT}/metrics")
     state = State(kube=kube.Kube.from_environment())
     memo["rljob"] = state
     # The indexes are live objects, filled by kopf's watches from now on.
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
     state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
-    if metrics.start_metrics_server(METRICS_PORT):
-        logger.info(f"metrics on :{METRICS_PORT}/metrics")
 
 
 @kopf.on.login()

@@ -450,7 +450,8 @@ def check_claims(
         listed = ", ".join(f"{u.claim!r} ({u.field})" for u in missing)
         raise errors.ClaimNotFoundError(
             missing[0].field,
-            f"PersistentVolumeClaim {listed} not found in namespace {namespace!r}: create "
+            f"PersistentVolumeClaim{'s' if len(missing) > 1 else ''} {listed} not found in namespace "
+            f"{namespace!r}: create "
             f"{'it' if len(missing) == 1 else 'them'} or fix the name (the pods would stay Pending until "
             "then)",
         )

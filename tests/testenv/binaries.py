@@ -44,7 +44,6 @@ GO_BINARIES: dict[str, str] = {
     "k8s.io/kubernetes/cmd/kubectl": "kubectl",
 }
 
-
 # Stamp the release into the binaries (`kubectl version`, /version), as Kubernetes' own build does;
 # without it the server reports v0.0.0-master and tools such as helm reject kubeVersion constraints.
 def _required_version(module: str) -> str:

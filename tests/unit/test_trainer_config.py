@@ -84,20 +84,9 @@ def test_config_and_telemetry_import_without_torch():
 
 def _report(step: int) -> telemetry.SyncReport:
     return telemetry.SyncReport(
-        step=step,
-        time=1000.0 + step,
-        interval_s=2.0,
-        trainer_wait_s=0.5,
-        generation_s=1.5,
-        training_s=0.5,
-        inflight_request_seconds=6.0,
-        engine_seconds=4.0,
-        snapshot_inflight=0,
-        shared_engines_awake=1,
-        dedicated_engines=1,
-        mean_reward=0.25,
-        loss=0.1,
-        tokens_per_s=100.0,
+        step=step, time=1000.0 + step, interval_s=2.0, trainer_wait_s=0.5, generation_s=1.5,
+        training_s=0.5, inflight_request_seconds=6.0, engine_seconds=4.0, snapshot_inflight=0,
+        shared_engines_awake=1, dedicated_engines=1, mean_reward=0.25, loss=0.1, tokens_per_s=100.0,
         response_len_mean=12.0,
     )
 

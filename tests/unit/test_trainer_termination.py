@@ -1,0 +1,25 @@
+"""rljob_trainer.termination: the fatal cause a pod's termination message carries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rljob_trainer import termination
+
+
+def test_record_fatal_writes_one_line_the_kubelet_can_keep(tmp_path: Path) -> None:
+    path = tmp_path / "termination-log"
+    env = {termination.ENV_TERMINATION_LOG: str(path)}
+    cause = termination.record_fatal(FileNotFoundError("/data/train.jsonl\nmissing"), env)
+    assert path.read_text() == cause
+    assert cause.startswith("file not found: FileNotFoundError") and "\n" not in cause
+    huge = termination.record_fatal(RuntimeError("x" * 10_000), env)
+    assert len(path.read_bytes()) <= termination.MAX_BYTES and huge.startswith("RuntimeError")
+
+
+def test_out_of_memory_is_named_and_an_unwritable_path_is_not_fatal(tmp_path: Path) -> None:
+    assert termination.describe_fatal(RuntimeError("CUDA out of memory. Tried to allocate")).startswith(
+        "out of memory:"
+    )
+    env = {termination.ENV_TERMINATION_LOG: str(tmp_path / "missing-dir" / "log")}
+    assert termination.record_fatal(ValueError("bad reward"), env) == "ValueError: bad reward"
