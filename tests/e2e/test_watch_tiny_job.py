@@ -71,7 +71,7 @@ def test_status_and_logs_while_the_tiny_job_trains(
                 return out.stdout if running else None
 
             try:
-                text = wait_for("rljob status to show a training job", mid_run, 180, interval_s=1.0)
+                text = wait_for("rljob status to show a training job", mid_run, 420, interval_s=2.0)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{pod_logs(cluster, namespace, pods)}") from None
             assert f"RLJob {namespace}/{job}   phase: Running" in text
