@@ -67,7 +67,10 @@ def test_status_and_logs_while_the_tiny_job_trains(
                 view = json.loads(
                     run([str(BIN / "rljob"), "status", job, "-n", namespace, "-o", "json"], env).stdout
                 )
-                running = view["status"].get("phase") == "Running" and len(view["history"]) >= 2
+                phase = view["status"].get("phase")
+                if phase in ("Succeeded", "Failed"):
+                    raise AssertionError(f"the job ended ({phase}) before status was seen mid-run")
+                running = phase == "Running" and len(view["history"]) >= 2
                 return out.stdout if running else None
 
             try:
