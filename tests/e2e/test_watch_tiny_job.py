@@ -67,11 +67,14 @@ def test_status_and_logs_while_the_tiny_job_trains(
                 view = json.loads(
                     run([str(BIN / "rljob"), "status", job, "-n", namespace, "-o", "json"], env).stdout
                 )
-                running = view["status"].get("phase") == "Running" and len(view["history"]) >= 2
+                phase = view["status"].get("phase")
+                if phase in ("Succeeded", "Failed"):
+                    raise AssertionError(f"the job ended ({phase}) before status was seen mid-run")
+                running = phase == "Running" and len(view["history"]) >= 2
                 return out.stdout if running else None
 
             try:
-                text = wait_for("rljob status to show a training job", mid_run, 180, interval_s=1.0)
+                text = wait_for("rljob status to show a training job", mid_run, 420, interval_s=2.0)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{pod_logs(cluster, namespace, pods)}") from None
             assert f"RLJob {namespace}/{job}   phase: Running" in text
