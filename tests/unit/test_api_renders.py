@@ -37,9 +37,6 @@ TINY_CONFIG = {
     "max_position_embeddings": 8192,
     "torch_dtype": "float32",
 }
-# The trainer reads hub data once issue 10's contract lands (DataSettings.hub_id); until then the
-# operator cannot render it, which is what this test would rightly report.
-TRAINER_READS_HUB_DATA = "hub_id" in tc.DataSettings.model_fields
 
 
 def _bounds(field: pydantic.fields.FieldInfo) -> dict[str, float]:
@@ -99,7 +96,7 @@ data_sources = st.one_of(
     st.builds(lambda n: {"builtin": {"name": n}}, st.sampled_from(get_args(api.BuiltinDataset))),
     st.just({"pvc": {"claimName": "data", "path": "train.jsonl"}}),
     st.just({"configMapRef": {"name": "prompts", "key": "data.jsonl"}}),
-    *([st.just({"hub": {"id": "openai/gsm8k", "subset": "main"}})] if TRAINER_READS_HUB_DATA else []),
+    st.just({"hub": {"id": "openai/gsm8k", "subset": "main"}}),
 )
 model_sources = st.one_of(
     st.builds(lambda t: {"tiny": {"tokenizer": t}}, st.sampled_from(get_args(api.TinyTokenizer))),
@@ -195,8 +192,6 @@ def test_every_spec_the_api_accepts_renders(raw: dict[str, Any]) -> None:
 def test_every_example_renders_with_its_real_plan(path: Path) -> None:
     for doc in api.load_manifests(path.read_text()):
         spec = api.RLJobSpec.model_validate(doc["spec"])
-        if spec.data.source.hub is not None and not TRAINER_READS_HUB_DATA:
-            pytest.skip("hub data: the trainer contract gains DataSettings.hubId with issue 10")
         src = spec.model.config
         model_config = dict(src.inline) if src.inline is not None else load_preset(src.preset or "")
         plan = planning.plan_status(planning.plan_job(spec, model_config))

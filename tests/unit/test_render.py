@@ -7,22 +7,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_api_renders import EXAMPLES, TRAINER_READS_HUB_DATA
+from test_api_renders import EXAMPLES
 
 from rljob_operator import api, cli, names
 from rljob_trainer import config as tc
 
 
-def _needs_hub(path: Path) -> bool:
-    return any(
-        api.RLJobSpec.model_validate(d["spec"]).data.source.hub for d in api.load_manifests(path.read_text())
-    )
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_renders_all_its_objects(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    if _needs_hub(path) and not TRAINER_READS_HUB_DATA:
-        pytest.skip("hub data: the trainer contract gains DataSettings.hubId with issue 10")
     assert cli.main(["render", "-f", str(path), "-o", "json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["kind"] == "List"
