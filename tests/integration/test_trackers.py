@@ -8,6 +8,7 @@ file store read back through its own client.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,36 @@ def _wandb_records(path: Path) -> Iterator[bytes]:
             yield partial + chunk
 
 
-def _wandb_history(run_dir: Path) -> list[dict[str, float]]:
+def _wandb_history(run_dir: Path, timeout_s: float = 60.0) -> list[dict[str, float]]:
+    """The history rows of the offline run, once its file is whole.
+
+    `wandb.finish()` returns when the wandb-core service has the exit record, and the service may
+    still be flushing the file then (seen on a loaded machine as a truncated last record), so read
+    until the file parses and holds the exit record.
+    """
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     files = list(run_dir.rglob("offline-run-*/*.wandb"))
     assert len(files) == 1, files
-    rows = []
-    for raw in _wandb_records(files[0]):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): float(i.value_json) for i in rec.history.item})
-    return rows
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows, kinds = [], []
+        try:
+            for raw in _wandb_records(files[0]):
+                rec = pb.Record()
+                rec.ParseFromString(raw)
+                kinds.append(rec.WhichOneof("record_type"))
+                if kinds[-1] == "history":
+                    rows.append(
+                        {(i.key or "/".join(i.nested_key)): float(i.value_json) for i in rec.history.item}
+                    )
+        except DecodeError:
+            kinds = []
+        if "exit" in kinds:
+            return rows
+        assert time.monotonic() < deadline, f"{files[0]} never held a whole run (records: {kinds})"
+        time.sleep(0.5)
 
 
 def test_wandb_offline_and_mlflow_file_store_get_every_step(tmp_path: Path, monkeypatch: Any) -> None:
