@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rljob_operator import api, metrics
+from rljob_operator import api, kubeclient, metrics
 
 API_THREADS = 16
 
@@ -49,13 +48,7 @@ class Kube:
     @classmethod
     def from_environment(cls) -> Kube:
         """KUBECONFIG (or ~/.kube/config) when present, else the in-cluster ServiceAccount."""
-        cfg = kubernetes.client.Configuration()
-        # The kubernetes package reads $KUBECONFIG at import time; read it now instead.
-        path = (os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")).split(os.pathsep)[0]
-        if os.path.exists(path):
-            kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
-        else:
-            kubernetes.config.load_incluster_config(client_configuration=cfg)
+        cfg = kubeclient.load_configuration()  # $KUBECONFIG read now, not at import time
         cfg.connection_pool_maxsize = API_THREADS * 2
         executor = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="rljob-api")
         return cls(kubernetes.client.ApiClient(cfg), executor)

@@ -1,10 +1,10 @@
 """Where the operator's Kubernetes credentials come from, read at call time.
 
-Called by `rljob_operator.leader` (the Lease elector) before kopf starts. The rule is the one
-`handlers.Kube.from_environment` and kopf's login handler follow: `$KUBECONFIG` (its first path) or
-`~/.kube/config` when that file exists, else the in-cluster ServiceAccount. The kubernetes package
-reads `$KUBECONFIG` at import time; reading it here, when asked, lets tests and `rljob operator`
-set it first.
+Called by `rljob_operator.leader` (the Lease elector) before kopf starts, and by
+`kube.Kube.from_environment` (the operator's API adapter). The rule: `$KUBECONFIG` (its first
+path) or `~/.kube/config` when that file exists, else the in-cluster ServiceAccount. The
+kubernetes package reads `$KUBECONFIG` at import time; reading it here, when asked, lets tests and
+`rljob operator` set it first.
 """
 
 from __future__ import annotations
