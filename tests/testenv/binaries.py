@@ -31,6 +31,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 GO_MODULE_DIR = Path(__file__).resolve().parent / "go"
@@ -43,6 +44,7 @@ GO_BINARIES: dict[str, str] = {
     "k8s.io/kubernetes/cmd/kube-scheduler": "kube-scheduler",
     "k8s.io/kubernetes/cmd/kubectl": "kubectl",
 }
+
 
 # Stamp the release into the binaries (`kubectl version`, /version), as Kubernetes' own build does;
 # without it the server reports v0.0.0-master and tools such as helm reject kubeVersion constraints.
@@ -111,32 +113,50 @@ def _locked(path: Path) -> io.TextIOWrapper:
     return handle
 
 
-def ensure_go_binaries(log: io.TextIOBase | None = None) -> Path:
-    """Return the folder holding the Go-built binaries, building them on a cache miss."""
-    target = cache_root() / "k8s" / go_build_key()
+def cached_build(
+    kind: str, key: str, build: Callable[[Path], None], what: str, log: io.TextIOBase | None
+) -> Path:
+    """Return `<cache>/<kind>/<key>`, running `build(staging)` under a lock on a cache miss.
+
+    `build` fills a fresh staging folder next to the target; only a build that returns is renamed
+    into place and stamped `.complete`, so parallel runs build once and never see half a cache.
+    """
+    target = cache_root() / kind / key
     if (target / ".complete").exists():
         return target
-    with _locked(cache_root() / "k8s" / ".lock"):
+    with _locked(cache_root() / kind / ".lock"):
         if (target / ".complete").exists():
             return target
+        print(f"building {what} into {target} (first run only)", file=log or sys.stderr)
         staging = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-        print(
-            f"building the control plane from Go modules into {target} (first run only)",
-            file=log or sys.stderr,
-        )
-        env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false")
-        subprocess.run(
-            ["go", "build", "-trimpath", f"-ldflags={LDFLAGS}", "-o", str(staging), *GO_BINARIES],
-            cwd=GO_MODULE_DIR,
-            env=env,
-            check=True,
-        )
-        for package, name in GO_BINARIES.items():
-            (staging / _go_binary_name(package)).rename(staging / name)
+        try:
+            build(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
-        (target / ".complete").write_text(go_build_key())
+        (target / ".complete").write_text(key)
     return target
+
+
+_GO_ENV = {"CGO_ENABLED": "0", "GOFLAGS": "-mod=mod -buildvcs=false"}
+
+
+def _build_control_plane(staging: Path) -> None:
+    subprocess.run(
+        ["go", "build", "-trimpath", f"-ldflags={LDFLAGS}", "-o", str(staging), *GO_BINARIES],
+        cwd=GO_MODULE_DIR,
+        env=dict(os.environ, **_GO_ENV),
+        check=True,
+    )
+    for package, name in GO_BINARIES.items():
+        (staging / _go_binary_name(package)).rename(staging / name)
+
+
+def ensure_go_binaries(log: io.TextIOBase | None = None) -> Path:
+    """Return the folder holding the Go-built binaries, building them on a cache miss."""
+    return cached_build("k8s", go_build_key(), _build_control_plane, "the control plane from Go modules", log)
 
 
 KUEUE_MODULE_DIR = Path(__file__).resolve().parent / "kueue"
@@ -168,50 +188,39 @@ def kueue_build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def _build_kueue(staging: Path) -> None:
+    env = dict(os.environ, **_GO_ENV)
+    subprocess.run(
+        [
+            "go",
+            "build",
+            "-trimpath",
+            f"-ldflags={_kueue_ldflags()}",
+            "-o",
+            str(staging / "kueue"),
+            f"{KUEUE_MODULE}/cmd/kueue",
+        ],
+        cwd=KUEUE_MODULE_DIR,
+        env=env,
+        check=True,
+    )
+    module_dir = subprocess.run(
+        ["go", "list", "-m", "-f", "{{.Dir}}", KUEUE_MODULE],
+        cwd=KUEUE_MODULE_DIR,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    for folder in KUEUE_CONFIG_DIRS:
+        shutil.copytree(Path(module_dir) / folder, staging / folder)
+
+
 def ensure_kueue(log: io.TextIOBase | None = None) -> Path:
     """Return the folder holding `kueue` (the manager) and its `config/`, building on a cache miss."""
-    target = cache_root() / "kueue" / kueue_build_key()
-    if (target / ".complete").exists():
-        return target
-    with _locked(cache_root() / "kueue" / ".lock"):
-        if (target / ".complete").exists():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-        print(
-            f"building Kueue {kueue_version()} from Go modules into {target} (first run only)",
-            file=log or sys.stderr,
-        )
-        env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false")
-        subprocess.run(
-            [
-                "go",
-                "build",
-                "-trimpath",
-                f"-ldflags={_kueue_ldflags()}",
-                "-o",
-                str(staging / "kueue"),
-                f"{KUEUE_MODULE}/cmd/kueue",
-            ],
-            cwd=KUEUE_MODULE_DIR,
-            env=env,
-            check=True,
-        )
-        module_dir = Path(
-            subprocess.run(
-                ["go", "list", "-m", "-f", "{{.Dir}}", KUEUE_MODULE],
-                cwd=KUEUE_MODULE_DIR,
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-        )
-        for folder in KUEUE_CONFIG_DIRS:
-            shutil.copytree(module_dir / folder, staging / folder)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        (target / ".complete").write_text(kueue_build_key())
-    return target
+    return cached_build(
+        "kueue", kueue_build_key(), _build_kueue, f"Kueue {kueue_version()} from Go modules", log
+    )
 
 
 def ensure_helm(log: io.TextIOBase | None = None) -> Path:
