@@ -628,8 +628,9 @@ async def _step_volumes(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 
 
 async def _step_capacity(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Before an attempt's first pod: can the pools ever hold the layout?"""
-    if _first_pods_of_attempt(ctx):
+    """Before an attempt's first pod: can the pools ever hold the layout? (Not for a job Kueue
+    admits: its flavors add the nodeLabels and tolerations that say where the pods may go.)"""
+    if _first_pods_of_attempt(ctx) and not _kueue_managed(ctx):
         assert seen.layout is not None
         reconcile.check_capacity(_spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
     return seen, False
@@ -768,6 +769,10 @@ async def _step_admission(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obse
     queue = admission.queue_status(core, queue_name, wl_name, extra_engines_admitted=allowed - core_n)
     layout = builders.compute_layout(spec, seen.plan, allowed) if allowed != target else seen.layout
     return dataclasses.replace(seen, queue=queue, placements=placements, layout=layout), False
+
+
+def _kueue_managed(ctx: _Ctx) -> bool:
+    return names.KUEUE_QUEUE_LABEL in ((ctx.body.get("metadata") or {}).get("labels") or {})
 
 
 async def _workload_priority(
