@@ -175,6 +175,25 @@ def test_labelled_rljob_waits_queued_then_runs_on_the_flavor_nodes(
                 lambda: (s := job_status(cluster, namespace, "queued")).get("phase") == "Running" and s,
             )
             assert condition(st, "Admitted")["status"] == "True" and st["queue"]["flavors"] == [flavor]
+
+            # The job ends: its Workload is Finished, and Kueue gives the quota back.
+            cluster.succeed_pod(namespace, "queued-trainer-0")
+            wl = wait_for(
+                "Finished=True on the Workload",
+                lambda: (
+                    (w := cluster.get_json("workload", "rljob-queued", namespace=namespace))
+                    and wl_condition(w, "Finished").get("status") == "True"
+                    and w
+                ),
+            )
+            assert wl_condition(wl, "Finished")["reason"] == "Succeeded"
+            wait_for(
+                "the ClusterQueue's quota released",
+                lambda: (
+                    (cluster.get_json("clusterqueue", cq) or {}).get("status", {}).get("reservingWorkloads")
+                    == 0
+                ),
+            )
         # Kueue ran as its own ServiceAccount and lacked nothing for RLJobs.
         forbidden = [line for line in kueue.log().splitlines() if "forbidden" in line]
         assert forbidden == [], forbidden[:3]
