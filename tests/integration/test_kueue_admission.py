@@ -352,6 +352,31 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 "the job Running on its core",
                 lambda: job_status(cluster, namespace, "ada")["phase"] == "Running",
             )
+
+            # Suspended, the job holds no quota: its Workloads go, and resuming queues it again.
+            suspend = {"spec": {"suspend": True}}
+            cluster.kubectl(
+                "patch", "rljob", "ada", "-n", namespace, "--type=merge", "-p", json.dumps(suspend)
+            )
+            wait_for(
+                "the suspended job's Workloads gone",
+                lambda: (
+                    not [
+                        w
+                        for w in (cluster.get_json("workloads", namespace=namespace) or {}).get("items", [])
+                        if w["metadata"]["labels"].get("rljob.io/job") == "ada"
+                    ]
+                ),
+            )
+            assert job_status(cluster, namespace, "ada")["phase"] == "Suspended"
+            resume = {"spec": {"suspend": False}}
+            cluster.kubectl(
+                "patch", "rljob", "ada", "-n", namespace, "--type=merge", "-p", json.dumps(resume)
+            )
+            wait_for(
+                "the resumed job's Workload back",
+                lambda: cluster.get_json("workload", "rljob-ada", namespace=namespace) is not None,
+            )
     finally:
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
