@@ -524,7 +524,7 @@ class GRPODriver:
             return
         self._checkpoint_acked = request_id
         if self._save() is None:
-            log.warning("checkpoint request %s: no checkpoint directory, nothing to save or acknowledge", request_id)
+            log.warning("checkpoint request %s: no checkpoint directory, nothing to acknowledge", request_id)
             return
         log.info("checkpoint request %s honoured at step %s", request_id, self.state.step)
         if self.state.history:

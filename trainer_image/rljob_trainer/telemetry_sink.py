@@ -4,8 +4,9 @@ Role: the imperative shell around `rljob_trainer.telemetry` (pure). At every wei
 calls `publish(history, metrics)`: metrics go to the log and to Prometheus gauges always; the report
 history goes to ConfigMap `<job>-telemetry` (key `reports.json`) when telemetry is enabled and a
 Kubernetes config (in-cluster or kubeconfig) is available. `read_targets()` reads the desired engine
-counts and the checkpoint request (cooperative preemption) the operator wrote to the RLJob status. Uses only what the job's Role allows: patch of the
-telemetry ConfigMap and get of the RLJob (docs/contracts.md §3). Callers: `rljob_trainer.driver`.
+counts and the checkpoint request (cooperative preemption) the operator wrote to the RLJob status.
+Uses only what the job's Role allows: patch of the telemetry ConfigMap and get of the RLJob
+(docs/contracts.md §3). Callers: `rljob_trainer.driver`.
 """
 
 from __future__ import annotations
