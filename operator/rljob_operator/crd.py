@@ -111,7 +111,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "name": "Queue",
         "type": "string",
         "jsonPath": ".status.queue.name",
-        "description": "Kueue LocalQueue (label kueue.x-k8s.io/queue-name); the phase is Queued until admitted.",
+        "description": "Kueue LocalQueue (label kueue.x-k8s.io/queue-name); Queued until admitted.",
         "priority": 1,
     },
     {

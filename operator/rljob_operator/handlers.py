@@ -629,8 +629,9 @@ async def _step_volumes(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 
 
 async def _step_capacity(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Before an attempt's first pod: can the pools ever hold the layout?"""
-    if _first_pods_of_attempt(ctx):
+    """Before an attempt's first pod: can the pools ever hold the layout? (Not for a job Kueue
+    admits: its flavors add the nodeLabels and tolerations that say where the pods may go.)"""
+    if _first_pods_of_attempt(ctx) and not _kueue_managed(ctx):
         assert seen.layout is not None
         reconcile.check_capacity(_spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
     return seen, False
@@ -820,6 +821,10 @@ async def _step_preemption(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obs
     running = decision.action in ("request", "wait")
     queue = ctx.old.queue if running else admission.queue_status(core, queue_name, wl_name)
     return dataclasses.replace(seen, queue=queue, preemption=(decision, message)), True
+
+
+def _kueue_managed(ctx: _Ctx) -> bool:
+    return names.KUEUE_QUEUE_LABEL in ((ctx.body.get("metadata") or {}).get("labels") or {})
 
 
 async def _workload_priority(
