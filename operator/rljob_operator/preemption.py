@@ -134,9 +134,10 @@ def decide(
         if request is None:
             return Decision("none")  # queued, nothing ran: the admission step reports it
         reason, message = _why(workload)
-        if workload.quota_reserved:
-            return Decision("release", reason=reason, message=message)
-        return Decision("done", reason=reason, message=message)
+        action: Action = "release" if workload.quota_reserved else "done"
+        return Decision(
+            action, request=request, reason=reason, message=message, ack_step=acks.get(request.id)
+        )
     reason, message = _why(workload)
     if request is None:
         new = api.CheckpointRequest(id=request_id(reason, attempt), reason=reason, request_time=now)
@@ -156,13 +157,15 @@ def summary(decision: Decision, workload_name: str, grace_s: int) -> str:
         return f"{head}; the driver was asked to checkpoint now (up to {grace_s}s)"
     if decision.ack_step is not None:
         tail = f"the driver checkpointed at step {decision.ack_step}"
-    elif decision.request is not None and decision.action == "stop":
-        tail = f"no checkpoint acknowledgement within {grace_s}s (the job resumes from its last checkpoint)"
+    elif decision.request is not None:
+        tail = f"no checkpoint acknowledgement (within {grace_s}s, or no driver running to give one)"
     else:
         tail = "its pods are gone"
     if decision.action == "stop":
         return f"{head}; {tail}; deleting the pods"
-    return f"{head}; pods deleted and the quota released: back in the queue, it resumes when readmitted"
+    if decision.ack_step is not None:
+        return f"{head}; {tail}; pods deleted and the quota released: queued, it resumes from that step"
+    return f"{head}; pods deleted and the quota released: queued, it resumes from its last checkpoint"
 
 
 # ---- the Workload status Kueue's integrations write on release -----------------------------------

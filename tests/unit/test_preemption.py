@@ -100,14 +100,15 @@ def test_an_eviction_requests_a_checkpoint_then_stops_on_the_ack_then_releases()
     terminating = [pod(p.name, p.role, p.index, deleting=True) for p in PODS]
     assert decide(wl(EVICTED), request, {"preempted-0": 7}, terminating).action == "stop"
     released = decide(wl(EVICTED), request, {"preempted-0": 7}, pods=[])
-    assert released.action == "release" and released.counts_disruption
+    assert released.action == "release" and released.counts_disruption and released.ack_step == 7
+    assert "checkpointed at step 7; pods deleted" in preemption.summary(released, "rljob-demo", 60)
 
 
 def test_without_an_ack_the_pods_go_after_the_grace_or_at_once_when_nobody_can_answer() -> None:
     request = api.CheckpointRequest(id="preempted-0", reason="Preempted", request_time=NOW)
     expired = decide(wl(EVICTED), request, now=NOW + timedelta(seconds=60))
     assert expired.action == "stop" and expired.ack_step is None
-    assert "no checkpoint acknowledgement within 60s" in preemption.summary(expired, "rljob-demo", 60)
+    assert "no checkpoint acknowledgement (within 60s" in preemption.summary(expired, "rljob-demo", 60)
     assert decide(wl(EVICTED), request, grace_s=0).action == "stop"
     not_started = [pod("demo-trainer-0", "trainer", 0, phase="Pending")]
     assert decide(wl(EVICTED), request, pods=not_started).action == "stop"
