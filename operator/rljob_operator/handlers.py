@@ -816,6 +816,11 @@ async def _step_preemption(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obs
             await ctx.state.kube.apply_workload_status(
                 preemption.release_apply(body, now=ctx.now), preemption.ADMISSION_FIELD_MANAGER
             )
+        # Extra engines' Workloads hold quota for pods that are gone: the admission step queues
+        # them again once the core is readmitted.
+        for extra in list(ctx.state.workloads.get(ctx.key, {}).values()):
+            if extra.engine is not None and not extra.deleting:
+                await ctx.state.kube.delete_workload(ctx.job.namespace, extra.name)
         _post(ctx, "Normal", "Requeued", message)
     # While the driver checkpoints the job still runs under its admission, as far as users see.
     running = decision.action in ("request", "wait")

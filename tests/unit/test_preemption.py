@@ -232,3 +232,37 @@ def test_status_carries_the_request_then_one_disruption_and_a_new_attempt() -> N
     cond = status.find(out.conditions, status.PREEMPTED)
     assert cond is not None and (cond.status, cond.reason) == ("True", "Requeued")
     assert "checkpointRequest" in (status.status_patch(asked.to_k8s(), out) or {})  # sent as null
+
+
+def test_the_readmitted_job_running_again_ends_the_preemption() -> None:
+    spec = api.RLJobSpec.model_validate(
+        {
+            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": {"model_type": "llama"}}},
+            "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
+            "resources": {
+                "accelerator": {"kind": "cpu"},
+                "totalAccelerators": 2,
+                "acceleratorsPerNode": 1,
+                "mode": "static",
+                "static": {"trainerAccelerators": 2, "rolloutAccelerators": 0},
+            },
+        }
+    )
+    plan = api.PlanStatus(trainer_accelerators=2, rollout_engines=0, shared_engines=1, tensor_parallel=1)
+    layout = builders.compute_layout(spec, plan)
+    requeued = api.Condition(
+        type=status.PREEMPTED, status="True", reason="Requeued", message="m", last_transition_time=NOW
+    )
+    old = api.RLJobStatus(phase="Queued", restarts=1, disruptions=1, conditions=[requeued])
+    queue = api.QueueStatus(name="q", workload="rljob-demo", admitted=True)
+    again = [pod("demo-trainer-0", "trainer", 0, attempt=1), pod("demo-trainer-1", "trainer", 1, attempt=1)]
+    out = status.compute_status(
+        old,
+        status.Observed(spec=spec, plan=plan, layout=layout, pods=again, queue=queue),
+        generation=1,
+        now=NOW,
+    )
+    assert out.phase == "Running"
+    cond = status.find(out.conditions, status.PREEMPTED)
+    assert cond is not None and (cond.status, cond.reason) == ("False", "Resumed")
+    assert out.disruptions == 1 and out.restarts == 1  # counted once, when the pods went
