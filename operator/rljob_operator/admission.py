@@ -233,6 +233,20 @@ def pod_placements(
     return {pod: by_set[name] for name, pods in members.items() if name in by_set for pod in pods}
 
 
+def admitted_pod_sets(
+    job: str,
+    core: WorkloadState,
+    core_members: Mapping[str, Sequence[str]],
+    extra: Mapping[int, WorkloadState],
+    engines: Iterable[int],
+) -> list[tuple[WorkloadState, dict[str, list[str]]]]:
+    """Each admitted Workload with its podSets' pod names: the core's, then extra engine `i`'s
+    one podSet `rollout` holding pod `<job>-rollout-<i>`, for each of `engines`."""
+    out = [(core, {name: list(pods) for name, pods in core_members.items()})]
+    out += [(extra[i], {names.ROLE_ROLLOUT: [names.rollout_pod_name(job, i)]}) for i in engines]
+    return out
+
+
 # ---- flavors -> pod placement --------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Placement:

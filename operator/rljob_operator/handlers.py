@@ -726,47 +726,36 @@ async def _step_admission(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obse
     queue = admission.queue_status(core, queue_name, wl_name)
     if core is None or not core.admitted:
         return dataclasses.replace(seen, queue=queue), True  # no pod until Kueue admits the Workload
+    # Extra engines beyond the minimum: one lower-priority Workload each, a pod once admitted.
     current = [p for p in ctx.pods if p.attempt == ctx.attempt and not p.deleting]
-    await _report_pods_ready(ctx, core, {p["metadata"]["name"] for p in core_pods}, current)
-    # Extra engines beyond the minimum: one lower-priority Workload each.
     core_n, target = core_layout.rollout_pods, seen.layout.rollout_pods
     extra = {s.engine: s for s in known.values() if s.engine is not None}
     running = [p.index for p in current if p.role == names.ROLE_ROLLOUT]
-    for index in range(core_n, target):
-        if index not in extra:
-            pod = builders.build_rollout_pod(ctx.job, spec, seen.layout, index)
-            wl = admission.engine_workload(
-                ctx.job, pod, index, queue_name=queue_name, core_priority=core.priority
-            )
-            kopf.adopt(wl, owner=ctx.body)
-            await ctx.state.kube.create(wl)
+    for index in sorted(set(range(core_n, target)) - set(extra)):
+        pod = builders.build_rollout_pod(ctx.job, spec, seen.layout, index)
+        wl = admission.engine_workload(
+            ctx.job, pod, index, queue_name=queue_name, core_priority=core.priority
+        )
+        kopf.adopt(wl, owner=ctx.body)
+        await ctx.state.kube.create(wl)
     release = admission.engines_to_release(core_n, target, extra, running)
     await _delete_pods(ctx, [names.rollout_pod_name(ctx.job.name, i) for i in release], why="kueue")
     for name in admission.stale_engine_workloads(core_n, target, extra, running):
         await ctx.state.kube.delete_workload(ctx.job.namespace, name)
     allowed = admission.admitted_engines(core_n, target, extra)
-    for index in range(core_n, allowed):
-        pod_name = names.rollout_pod_name(ctx.job.name, index)
-        await _report_pods_ready(ctx, extra[index], {pod_name}, current)
-    # Placement: read the flavors only when a pod is to be created.
-    members = admission.pod_set_pods(trainers, rollouts)
-    engines = {
-        i: {names.ROLE_ROLLOUT: [names.rollout_pod_name(ctx.job.name, i)]} for i in range(core_n, allowed)
-    }
-    present = {p.name for p in current}
-    wanted = {n for pods in members.values() for n in pods} | {
-        n for m in engines.values() for n in m[names.ROLE_ROLLOUT]
-    }
+    admitted = admission.admitted_pod_sets(
+        ctx.job.name, core, admission.pod_set_pods(trainers, rollouts), extra, range(core_n, allowed)
+    )
+    for wl, members in admitted:
+        await _report_pods_ready(ctx, wl, {n for pods in members.values() for n in pods}, current)
+    # The admitted flavors' placement, read only when a pod is to be created.
     placements: dict[str, admission.Placement] = {}
-    if wanted - present:
-        admitted = [core, *(extra[i] for i in engines)]
-        flavors = {
-            f: await ctx.state.kube.read_kueue_object("resourceflavors", f)
-            for f in admission.flavor_names(admitted)
-        }
-        placements = admission.pod_placements(core, members, flavors)
-        for index, m in engines.items():
-            placements.update(admission.pod_placements(extra[index], m, flavors))
+    present = {p.name for p in current}
+    if any(n not in present for _, members in admitted for pods in members.values() for n in pods):
+        flavor_names = admission.flavor_names(wl for wl, _ in admitted)
+        flavors = {f: await ctx.state.kube.read_kueue_object("resourceflavors", f) for f in flavor_names}
+        for wl, members in admitted:
+            placements.update(admission.pod_placements(wl, members, flavors))
     queue = admission.queue_status(core, queue_name, wl_name, extra_engines_admitted=allowed - core_n)
     layout = builders.compute_layout(spec, seen.plan, allowed) if allowed != target else seen.layout
     return dataclasses.replace(seen, queue=queue, placements=placements, layout=layout), False

@@ -250,11 +250,13 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
         with operator(namespace):
             apply(cluster, namespace, job)
             wait_for("the core's trainer pods running", running_pods(cluster, namespace, "ada", 2))
+            # Pressure wakes both shared engines (one per trainer pod), then adds a dedicated one.
+            for awake in (0, 1):
+                time.sleep(2)
+                feed(shared_awake=awake)
+                wait_for(f"wake {awake + 1}", lambda a=awake: rollout("desiredSharedAwake") == a + 1, 30)
             time.sleep(2)
-            feed(shared_awake=0)
-            wait_for("wake", lambda: rollout("desiredSharedAwake") == 1, 30)
-            time.sleep(2)
-            feed(shared_awake=1)
+            feed(shared_awake=2)
             wait_for("scale-up target", lambda: rollout("desiredDedicatedEngines") == 1, 30)
             extra = wait_for(
                 "the extra engine's Workload, pending for quota",
@@ -284,7 +286,7 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 p for p in pods(cluster, namespace, "ada") if p["metadata"]["name"] == "ada-rollout-0"
             ]
             assert engine_pod["spec"]["nodeSelector"] == {"pool": pool_name}
-            st = wait_for(
+            wait_for(
                 "status counts the admitted extra engine",
                 lambda: (
                     (s := job_status(cluster, namespace, "ada"))["queue"].get("extraEnginesAdmitted") == 1
@@ -326,7 +328,11 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                     == "False"
                 ),
             )
-            assert st["phase"] == "Running"
+            # The core runs on: Running with the pods it has (the engine waits for quota again).
+            wait_for(
+                "the job Running on its core",
+                lambda: job_status(cluster, namespace, "ada")["phase"] == "Running",
+            )
     finally:
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)

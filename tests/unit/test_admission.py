@@ -233,3 +233,13 @@ def test_status_is_queued_without_pods_and_admitted_after() -> None:
         api.RLJobStatus(), status.Observed(spec=spec, plan=plan, layout=layout), generation=1, now=NOW
     )
     assert plain.queue is None and status.find(plain.conditions, status.ADMITTED) is None
+
+
+def test_admitted_pod_sets_pair_each_workload_with_its_pods() -> None:
+    core = state(ADMITTED)
+    engine = state(ADMITTED, engine=1, name="rljob-demo-rollout-1")
+    pairs = admission.admitted_pod_sets(
+        "demo", core, {"trainer": ["demo-trainer-0"]}, {1: engine}, range(1, 2)
+    )
+    assert pairs == [(core, {"trainer": ["demo-trainer-0"]}), (engine, {"rollout": ["demo-rollout-1"]})]
+    assert admission.admitted_pod_sets("demo", core, {}, {1: engine}, range(1, 1)) == [(core, {})]
