@@ -245,6 +245,15 @@ def test_a_preempted_job_checkpoints_on_request_waits_queued_and_resumes_at_that
             # Every step once: 1..ack from the checkpoint's history, then ack+1.. after the resume.
             assert [r.step for r in reports(cluster, namespace, "low")] == list(range(1, LOW_STEPS + 1))
             assert seen_request == [] or all(r["id"] == ack.checkpoint_ack for r in seen_request)
+            # What `kubectl describe rljob low` tells: asked, pods deleted as preempted, requeued.
+            events = cluster.get_json(
+                "events", "--field-selector", "involvedObject.name=low", namespace=namespace
+            )
+            said: dict[str, list[str]] = {}
+            for event in (events or {}).get("items", []):
+                said.setdefault(event["reason"], []).append(event["message"])
+            assert "CheckpointRequested" in said and "Requeued" in said, sorted(said)
+            assert "deleted low-trainer-0 (preempted)" in said.get("PodsDeleted", []), said
             forbidden = [line for line in kueue.log().splitlines() if "forbidden" in line]
             assert forbidden == [], forbidden[:3]
     finally:
