@@ -522,10 +522,12 @@ def _spec_of(seen: status.Observed) -> api.RLJobSpec:
 
 
 async def _step_suspend(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """spec.suspend: delete every pod, keep everything else."""
+    """spec.suspend: delete every pod (and the Kueue Workloads, whose quota goes back; resuming
+    queues the job again), keep everything else."""
     if not _spec_of(seen).suspend:
         return seen, False
     await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
+    await _release_workloads(ctx)
     return dataclasses.replace(seen, suspended=True), True
 
 
@@ -858,6 +860,13 @@ async def _report_pods_ready(
         await ctx.state.kube.apply_workload_status(
             admission.condition_apply(wl, cond), admission.PODS_READY_FIELD_MANAGER
         )
+
+
+async def _release_workloads(ctx: _Ctx) -> None:
+    """A suspended job holds no quota: delete its Workloads (they are rebuilt when it resumes)."""
+    for wl in list(ctx.state.workloads.get(ctx.key, {}).values()):
+        if not wl.deleting:
+            await ctx.state.kube.delete_workload(ctx.job.namespace, wl.name)
 
 
 async def _finish_workloads(ctx: _Ctx) -> None:

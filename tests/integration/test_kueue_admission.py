@@ -175,6 +175,25 @@ def test_labelled_rljob_waits_queued_then_runs_on_the_flavor_nodes(
                 lambda: (s := job_status(cluster, namespace, "queued")).get("phase") == "Running" and s,
             )
             assert condition(st, "Admitted")["status"] == "True" and st["queue"]["flavors"] == [flavor]
+
+            # The job ends: its Workload is Finished, and Kueue gives the quota back.
+            cluster.succeed_pod(namespace, "queued-trainer-0")
+            wl = wait_for(
+                "Finished=True on the Workload",
+                lambda: (
+                    (w := cluster.get_json("workload", "rljob-queued", namespace=namespace))
+                    and wl_condition(w, "Finished").get("status") == "True"
+                    and w
+                ),
+            )
+            assert wl_condition(wl, "Finished")["reason"] == "Succeeded"
+            wait_for(
+                "the ClusterQueue's quota released",
+                lambda: (
+                    (cluster.get_json("clusterqueue", cq) or {}).get("status", {}).get("reservingWorkloads")
+                    == 0
+                ),
+            )
         # Kueue ran as its own ServiceAccount and lacked nothing for RLJobs.
         forbidden = [line for line in kueue.log().splitlines() if "forbidden" in line]
         assert forbidden == [], forbidden[:3]
@@ -332,6 +351,31 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
             wait_for(
                 "the job Running on its core",
                 lambda: job_status(cluster, namespace, "ada")["phase"] == "Running",
+            )
+
+            # Suspended, the job holds no quota: its Workloads go, and resuming queues it again.
+            suspend = {"spec": {"suspend": True}}
+            cluster.kubectl(
+                "patch", "rljob", "ada", "-n", namespace, "--type=merge", "-p", json.dumps(suspend)
+            )
+            wait_for(
+                "the suspended job's Workloads gone",
+                lambda: (
+                    not [
+                        w
+                        for w in (cluster.get_json("workloads", namespace=namespace) or {}).get("items", [])
+                        if w["metadata"]["labels"].get("rljob.io/job") == "ada"
+                    ]
+                ),
+            )
+            assert job_status(cluster, namespace, "ada")["phase"] == "Suspended"
+            resume = {"spec": {"suspend": False}}
+            cluster.kubectl(
+                "patch", "rljob", "ada", "-n", namespace, "--type=merge", "-p", json.dumps(resume)
+            )
+            wait_for(
+                "the resumed job's Workload back",
+                lambda: cluster.get_json("workload", "rljob-ada", namespace=namespace) is not None,
             )
     finally:
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
