@@ -1382,6 +1382,17 @@ class QueueStatus(_Status):
     )
 
 
+class CheckpointRequest(_Status):
+    """The operator asks the driver to checkpoint now (cooperative preemption): Kueue evicted or
+    preempted the job's Workload. The driver reads it at every sync point, saves a checkpoint and
+    acknowledges the id (SyncReport checkpointAck/checkpointAckStep); the pods go once it has, or
+    after spec.preemption.checkpointGraceSeconds."""
+
+    id: str = Field(description="Unique per eviction; the driver acknowledges this id.")
+    reason: str = Field(description="Why, for example Preempted (Kueue's Evicted reason).")
+    request_time: Timestamp = Field(description="When the operator asked; the grace period runs from here.")
+
+
 class ProgressStatus(_Status):
     """Training progress, reported by the driver at each sync point."""
 
@@ -1422,6 +1433,9 @@ class RLJobStatus(_Status):
     progress: ProgressStatus | None = Field(None, description="Training progress.")
     queue: QueueStatus | None = Field(
         None, description="Kueue admission (only for jobs labelled kueue.x-k8s.io/queue-name)."
+    )
+    checkpoint_request: CheckpointRequest | None = Field(
+        None, description="A pending request to the driver to checkpoint now (Kueue is preempting the job)."
     )
     restarts: int | None = Field(
         None,

@@ -53,6 +53,7 @@ from rljob_operator import (
     planning,
     policy,
     pools,
+    preemption,
     reconcile,
     status,
 )
@@ -762,6 +763,62 @@ async def _step_admission(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obse
     return dataclasses.replace(seen, queue=queue, placements=placements, layout=layout), False
 
 
+async def _step_preemption(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Kueue evicted or preempted the job's Workload: cooperative preemption (`preemption.decide`).
+
+    Ask the driver to checkpoint (status.checkpointRequest), wait for its acknowledgement in the
+    SyncReports up to spec.preemption.checkpointGraceSeconds, delete the pods, and once none is
+    left clear the reservation as Kueue's integrations do; the job is then Queued and resumes from
+    that checkpoint when readmitted. The steps after this one run only when there is nothing to do."""
+    labels = (ctx.body.get("metadata") or {}).get("labels") or {}
+    try:
+        queue_name = names.kueue_queue_name(labels)
+    except ValueError:
+        return seen, False  # the admission step names the bad label
+    if queue_name is None:
+        return seen, False
+    wl_name = names.workload_name(ctx.job.name)
+    core = ctx.state.workloads.get(ctx.key, {}).get(wl_name)
+    grace = _spec_of(seen).preemption.checkpoint_grace_seconds
+    decision = preemption.decide(
+        core,
+        ctx.old.checkpoint_request,
+        preemption.acks_of(_reports(ctx)),
+        ctx.pods,
+        attempt=ctx.attempt,
+        grace_s=grace,
+        now=ctx.now,
+    )
+    if decision.action == "none":
+        return seen, False
+    assert core is not None
+    message = preemption.summary(decision, wl_name, grace)
+    if decision.action == "request":
+        _post(ctx, "Normal", "CheckpointRequested", message)
+        ctx.retry(0, "a checkpoint was requested")
+    elif decision.action == "wait":
+        ctx.retry(decision.wait_s, "waiting for the driver's checkpoint acknowledgement")
+    elif decision.action == "stop":
+        await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="preempted")
+        ctx.retry(WAIT_FOR_TERMINATION_S, "waiting for the preempted pods to terminate")
+    elif decision.action == "release":
+        body = await ctx.state.kube.read_workload(ctx.job.namespace, wl_name)
+        if body is not None:
+            await ctx.state.kube.apply_workload_status(
+                preemption.release_apply(body, now=ctx.now), preemption.ADMISSION_FIELD_MANAGER
+            )
+        # Extra engines' Workloads hold quota for pods that are gone: the admission step queues
+        # them again once the core is readmitted.
+        for extra in list(ctx.state.workloads.get(ctx.key, {}).values()):
+            if extra.engine is not None and not extra.deleting:
+                await ctx.state.kube.delete_workload(ctx.job.namespace, extra.name)
+        _post(ctx, "Normal", "Requeued", message)
+    # While the driver checkpoints the job still runs under its admission, as far as users see.
+    running = decision.action in ("request", "wait")
+    queue = ctx.old.queue if running else admission.queue_status(core, queue_name, wl_name)
+    return dataclasses.replace(seen, queue=queue, preemption=(decision, message)), True
+
+
 def _kueue_managed(ctx: _Ctx) -> bool:
     return names.KUEUE_QUEUE_LABEL in ((ctx.body.get("metadata") or {}).get("labels") or {})
 
@@ -829,6 +886,7 @@ STEPS: tuple[Step, ...] = (
     _step_finished,
     _step_plan,
     _step_suspend,
+    _step_preemption,
     _step_outcome,
     _step_backoff,
     _step_children,

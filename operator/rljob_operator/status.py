@@ -19,6 +19,9 @@ Condition types:
 - `Complete` / `Failed`: the run ended (a spec error fails the job until a new generation fixes it).
 - `Admitted`: only for jobs labelled `kueue.x-k8s.io/queue-name`: Kueue admitted the job's
   Workload (False/Queued: no pod exists until it does; the phase is `Queued`).
+- `Preempted`: Kueue evicted or preempted the job (`rljob_operator.preemption`): True while the
+  driver checkpoints (CheckpointRequested), its pods go (Stopping) and it waits in the queue
+  (Requeued); False/Resumed once the readmitted job runs again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pydantic
 from rljob_operator import api, errors, names
 from rljob_operator.admission import Placement
 from rljob_operator.builders.common import JobLayout
+from rljob_operator.preemption import Decision as PreemptionDecision
 from rljob_operator.reconcile import PodObservation, RestartDecision
 from rljob_trainer.telemetry import SyncReport
 
@@ -43,7 +47,8 @@ RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
 ADMITTED = "Admitted"
-CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, ADMITTED)
+PREEMPTED = "Preempted"
+CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, ADMITTED, PREEMPTED)
 RESTART_AFTER_DISRUPTION = "Disrupted"
 RESTART_AFTER_FAILURE = "PodFailed"
 FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
@@ -96,6 +101,8 @@ class Observed:
     - queue: Kueue admission of a job labelled kueue.x-k8s.io/queue-name (None: not queued by
       Kueue); while `queue.admitted` is False the job is Queued and has no pods. placements: for
       each pod Kueue admitted, the nodeLabels and tolerations of its flavors (the pods step applies them).
+    - preemption: this reconcile's step of a cooperative preemption (`preemption.decide`), with
+      the sentence for the Preempted condition.
     """
 
     spec: api.RLJobSpec | None = None
@@ -112,6 +119,7 @@ class Observed:
     rollout: api.RolloutStatus | None = None
     queue: api.QueueStatus | None = None
     placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
+    preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
 
 
 def _condition(
@@ -285,6 +293,7 @@ def compute_status(
     action = decision.action if decision is not None else "run"
     queue = observed.queue
     new.queue = queue
+    preempting = _apply_preemption(new, observed.preemption, put)
     if queue is not None:
         put(
             ADMITTED,
@@ -313,6 +322,9 @@ def compute_status(
         message = _restart_message(decision, spec)
         put(READY, False, decision.reason, message)
         put(RESTARTING, True, decision.reason, message, force=True)
+    elif preempting:
+        new.phase = "Queued"
+        put(READY, False, "Preempted", observed.preemption[1] if observed.preemption else "")
     elif queue is not None and not queue.admitted and not observed.pods:
         new.phase = "Queued"
         put(READY, False, "Queued", _queue_message(queue))
@@ -337,8 +349,40 @@ def compute_status(
             )
         if find(conds, RESTARTING) is not None and all_running:
             put(RESTARTING, False, "PodsRecreated", "")
+        preempted = find(conds, PREEMPTED)
+        resumed = all_running and new.checkpoint_request is None
+        if preempted is not None and preempted.status == "True" and resumed:
+            put(PREEMPTED, False, "Resumed", f"readmitted: attempt {new.restarts} runs")
     new.conditions = conds
     return new
+
+
+_PREEMPTION_REASONS = {
+    "request": "CheckpointRequested",
+    "wait": "CheckpointRequested",
+    "stop": "Stopping",
+    "release": "Requeued",
+    "done": "Requeued",
+}
+
+
+def _apply_preemption(
+    new: api.RLJobStatus, preemption: tuple[PreemptionDecision, str] | None, put: Any
+) -> bool:
+    """Carry a preemption step into the status: the checkpoint request, one more disruption (never
+    a failure) and a new attempt once the pods are gone. True when the job is leaving or out of
+    its admission (phase Queued); False while the driver checkpoints (it still runs)."""
+    if preemption is None or preemption[0].action == "none":
+        return False
+    decision, message = preemption
+    put(PREEMPTED, True, _PREEMPTION_REASONS[decision.action], message)
+    if decision.counts_disruption:
+        new.checkpoint_request = None
+        new.restarts = (new.restarts or 0) + 1  # the readmitted pods are a new attempt
+        new.disruptions = (new.disruptions or 0) + 1
+    else:
+        new.checkpoint_request = decision.request
+    return decision.action not in ("request", "wait")
 
 
 def _queue_message(queue: api.QueueStatus) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import driver, telemetry_sink
+from rljob_trainer import checkpoint, driver, telemetry_sink
 
 pytestmark = [pytest.mark.torch]
 
@@ -31,3 +31,35 @@ def test_driver_adds_drops_and_wakes_engines_to_match_targets():
     assert sorted(d.engines) == ["shared-0"]
     m = d.step()  # with no dedicated engine the shared one generates
     assert m["step"] == 3 and m["engine_seconds"] > 0
+
+
+def test_driver_checkpoints_at_once_on_request_and_acknowledges_it_once(tmp_path):
+    """Cooperative preemption: the request in the RLJob status makes the driver save a checkpoint at
+    this sync point (no periodic one is due) and acknowledge it, step included, in its newest report;
+    a resumed driver starts at that step."""
+    cfg = toy_config(
+        grpo={"maxSteps": 10, "promptsPerStep": 4},
+        rollout={"sharedEngines": 1, "dedicatedEngines": 0},
+        distributed={"numTrainerRanks": 1, "launcher": "local"},
+        checkpoint={"dir": str(tmp_path), "intervalSteps": 100},
+    )
+    d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
+    d.setup()
+    d.step()
+    d.step()
+    assert checkpoint.list_checkpoints(tmp_path) == []
+    request = telemetry_sink.CheckpointRequest(id="evict-1", reason="Preempted")
+    d.apply_targets(telemetry_sink.EngineTargets(None, None, request))
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    last = d.state.history[-1]
+    assert (last.step, last.checkpoint_ack, last.checkpoint_ack_step) == (2, "evict-1", 2)
+    d.step()
+    d.apply_targets(telemetry_sink.EngineTargets(None, None, request))  # the same request: no new save
+    assert d.state.history[-1].checkpoint_ack is None
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    d.shutdown()
+
+    resumed = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
+    resumed.setup()
+    assert resumed.state.step == 2
+    resumed.shutdown()

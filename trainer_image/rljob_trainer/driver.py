@@ -141,6 +141,7 @@ class GRPODriver:
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
         self._weights: tuple[int, Any] | None = None
+        self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -502,7 +503,9 @@ class GRPODriver:
             self._reconcile_dedicated()  # a rollout pod that joined since the last sync gets its engine
 
     def apply_targets(self, targets: telemetry_sink.EngineTargets) -> None:
-        """Follow the operator's desired counts (None leaves a count as it is)."""
+        """Follow the operator's desired counts (None leaves a count as it is), and checkpoint now
+        when it asks (cooperative preemption)."""
+        self._honour_checkpoint_request(targets.checkpoint_request)
         if targets.desired_shared_awake is not None:
             self.shared_awake_target = max(
                 0, min(targets.desired_shared_awake, self.cfg.rollout.shared_engines)
@@ -512,6 +515,23 @@ class GRPODriver:
         self._reconcile_dedicated()
         if not any(not e.colocated for e in self.engines.values()) and not self.cfg.rollout.shared_engines:
             raise RuntimeError("no rollout engine left: dedicated target 0 and no shared engines")
+
+    def _honour_checkpoint_request(self, request: telemetry_sink.CheckpointRequest | None) -> None:
+        """A new checkpoint request: save at once and acknowledge it (id, step) in the newest
+        SyncReport, published right away, so the operator can delete the pods without losing a step."""
+        request_id = telemetry_sink.checkpoint_to_honour(request, self._checkpoint_acked)
+        if request_id is None:
+            return
+        self._checkpoint_acked = request_id
+        if self._save() is None:
+            log.warning("checkpoint request %s: no checkpoint directory, nothing to acknowledge", request_id)
+            return
+        log.info("checkpoint request %s honoured at step %s", request_id, self.state.step)
+        if self.state.history:
+            ack = {"checkpoint_ack": request_id, "checkpoint_ack_step": self.state.step}
+            self.state.history[-1] = self.state.history[-1].model_copy(update=ack)
+            if self.sink is not None:
+                self.sink.write_history(self.state.history)
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> list[dict[str, Any]]:

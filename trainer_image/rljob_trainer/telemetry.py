@@ -55,6 +55,15 @@ class SyncReport(BaseModel):
     export_path: str | None = Field(
         None, alias="exportPath", description="Newest Hugging Face export (rljob_trainer.export), if any."
     )
+    checkpoint_ack: str | None = Field(
+        None,
+        alias="checkpointAck",
+        description="Id of the operator's checkpoint request (RLJob status.checkpointRequest) the driver "
+        "honoured at this sync: it saved a checkpoint at once (cooperative preemption).",
+    )
+    checkpoint_ack_step: int | None = Field(
+        None, alias="checkpointAckStep", ge=0, description="Step of the checkpoint saved for checkpointAck."
+    )
 
     @property
     def mean_busy(self) -> float:

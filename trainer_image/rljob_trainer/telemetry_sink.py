@@ -4,8 +4,9 @@ Role: the imperative shell around `rljob_trainer.telemetry` (pure). At every wei
 calls `publish(history, metrics)`: metrics go to the log and to Prometheus gauges always; the report
 history goes to ConfigMap `<job>-telemetry` (key `reports.json`) when telemetry is enabled and a
 Kubernetes config (in-cluster or kubeconfig) is available. `read_targets()` reads the desired engine
-counts the operator wrote to the RLJob status. Uses only what the job's Role allows: patch of the
-telemetry ConfigMap and get of the RLJob (docs/contracts.md §3). Callers: `rljob_trainer.driver`.
+counts and the checkpoint request (cooperative preemption) the operator wrote to the RLJob status.
+Uses only what the job's Role allows: patch of the telemetry ConfigMap and get of the RLJob
+(docs/contracts.md §3). Callers: `rljob_trainer.driver`.
 """
 
 from __future__ import annotations
@@ -27,22 +28,51 @@ PLURAL = "rljobs"
 
 
 @dataclass(frozen=True)
+class CheckpointRequest:
+    """The operator's `status.checkpointRequest`: checkpoint now (Kueue is preempting the job)."""
+
+    id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class EngineTargets:
-    """Desired engine counts from `status.rollout` (None: the operator has not written one)."""
+    """What the driver follows from the RLJob status: the desired engine counts of `status.rollout`
+    (None: the operator has not written one) and a pending checkpoint request (None: none)."""
 
     desired_shared_awake: int | None
     desired_dedicated_engines: int | None
+    checkpoint_request: CheckpointRequest | None = None
+
+
+def parse_checkpoint_request(status: Mapping[str, Any]) -> CheckpointRequest | None:
+    """Pure: `status.checkpointRequest` ({id, reason, requestTime}); None when absent or without an id."""
+    raw = status.get("checkpointRequest")
+    if not isinstance(raw, Mapping) or not raw.get("id"):
+        return None
+    return CheckpointRequest(id=str(raw["id"]), reason=str(raw.get("reason") or ""))
 
 
 def parse_targets(rljob: Mapping[str, Any]) -> EngineTargets:
-    """Pure: read `status.rollout.desiredSharedAwake` / `desiredDedicatedEngines` from an RLJob object."""
-    rollout = (rljob.get("status") or {}).get("rollout") or {}
+    """Pure: read `status.rollout.desiredSharedAwake` / `desiredDedicatedEngines` and
+    `status.checkpointRequest` from an RLJob object."""
+    status = rljob.get("status") or {}
+    rollout = status.get("rollout") or {}
 
     def _int(key: str) -> int | None:
         v = rollout.get(key)
         return int(v) if v is not None else None
 
-    return EngineTargets(_int("desiredSharedAwake"), _int("desiredDedicatedEngines"))
+    return EngineTargets(
+        _int("desiredSharedAwake"), _int("desiredDedicatedEngines"), parse_checkpoint_request(status)
+    )
+
+
+def checkpoint_to_honour(request: CheckpointRequest | None, acked: str | None) -> str | None:
+    """Pure: the request id to checkpoint for now, or None (no request, or this one is acknowledged)."""
+    if request is None or request.id == acked:
+        return None
+    return request.id
 
 
 def prometheus_name(metric: str) -> str:
