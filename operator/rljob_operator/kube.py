@@ -18,8 +18,10 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from rljob_operator import api, kubeclient, metrics
+from rljob_operator.builders import podgroup
 
 API_THREADS = 16
+POD_GROUP_API = podgroup.API_VERSION  # native gang scheduling (Kubernetes 1.37, GenericWorkload)
 
 
 class Kube:
@@ -43,6 +45,7 @@ class Kube:
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Event": self.core.create_namespaced_event,
+            "PodGroup": self._create_pod_group,
         }
 
     @classmethod
@@ -118,8 +121,9 @@ class Kube:
             {"data": obj["data"]},
         )
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self.call(
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch the RLJob's status; returns the RLJob as stored after the patch."""
+        return await self.call(
             "patch",
             "RLJob",
             self.custom.patch_namespaced_custom_object_status,
@@ -167,6 +171,56 @@ class Kube:
             api.PLURAL,
             name,
         )
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the apiserver serves `plural` in `group_version` (discovery; 404: not served)."""
+
+        def discover(**kwargs: Any) -> Any:
+            return self.client.call_api(
+                f"/apis/{group_version}",
+                "GET",
+                auth_settings=["BearerToken"],
+                response_type="object",
+                _return_http_data_only=True,
+                **kwargs,
+            )
+
+        try:
+            found = await self.call("get", "APIResourceList", discover)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
+
+    def _create_pod_group(self, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        group, version = POD_GROUP_API.split("/")
+        return self.custom.create_namespaced_custom_object(
+            group, version, namespace, "podgroups", body, **kwargs
+        )
+
+    async def read_pod_group(self, namespace: str, name: str) -> dict[str, Any] | None:
+        group, version = POD_GROUP_API.split("/")
+        return await self._read(
+            "PodGroup", self.custom.get_namespaced_custom_object, group, version, namespace, "podgroups", name
+        )
+
+    async def delete_pod_group(self, namespace: str, name: str) -> None:
+        group, version = POD_GROUP_API.split("/")
+        try:
+            await self.call(
+                "delete",
+                "PodGroup",
+                self.custom.delete_namespaced_custom_object,
+                group,
+                version,
+                namespace,
+                "podgroups",
+                name,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     async def read_pvc(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._read(

@@ -39,7 +39,8 @@ SUSPENDED = "Suspended"
 RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
-CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED)
+GANG_SCHEDULING = "GangScheduling"
+CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, GANG_SCHEDULING)
 RESTART_AFTER_DISRUPTION = "Disrupted"
 RESTART_AFTER_FAILURE = "PodFailed"
 FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
@@ -89,6 +90,7 @@ class Observed:
     - restart_wait_s: a restart's backoff is still running (seconds left).
     - pods: the pods of the attempt in force; waiting: names still terminating.
     - rollout: adaptive targets decided by this reconcile (persisted with the status).
+    - gang: the GangScheduling condition (status, reason, message): a PodGroup, or why none.
     """
 
     spec: api.RLJobSpec | None = None
@@ -103,6 +105,7 @@ class Observed:
     waiting: tuple[str, ...] = ()
     report: SyncReport | None = None
     rollout: api.RolloutStatus | None = None
+    gang: tuple[bool, str, str] | None = None
 
 
 def _condition(
@@ -265,6 +268,8 @@ def compute_status(
         return new
 
     put(PLANNED, True, "PlanComputed", _plan_message(plan))
+    if observed.gang is not None:
+        put(GANG_SCHEDULING, *observed.gang)
     suspended = observed.suspended
     put(
         SUSPENDED,
