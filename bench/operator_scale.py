@@ -287,10 +287,12 @@ class Watcher:
         self._loop(list_jobs, on_job, ready)
 
 
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[bytes]) -> bool:
+def wait_until(
+    what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[bytes] | None = None
+) -> bool:
     deadline = time.monotonic() + timeout_s
     while not check():
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the operator exited ({proc.returncode}) while waiting for {what}")
         if time.monotonic() > deadline:
             return False
@@ -327,7 +329,17 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
 
     with LocalCluster.create() as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rljobs.rljob.io.yaml"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+        # `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine.
+        wait_until(
+            "the RLJob CRD Established",
+            lambda: (
+                cluster.kubectl(
+                    "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
+                ).returncode
+                == 0
+            ),
+            120,
+        )
         cluster.create_namespace(NAMESPACE)
         labels: dict[str, str] = {}
         if side.kueue:

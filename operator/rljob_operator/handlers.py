@@ -208,6 +208,15 @@ async def rljob_startup(
     # The indexes are live objects, filled by kopf's watches from now on.
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
     state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
+    state.resync.add_done_callback(_resync_ended)
+
+
+def _resync_ended(task: asyncio.Task[None]) -> None:
+    """The resync loop never ends but by cancellation: anything else is a bug, and loud."""
+    if not task.cancelled() and task.exception() is not None:
+        logging.getLogger("rljob_operator.resync").error(
+            "the resync loop crashed: no job is reconciled any more", exc_info=task.exception()
+        )
 
 
 @kopf.on.login()

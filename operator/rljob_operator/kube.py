@@ -175,18 +175,9 @@ class Kube:
     async def serves(self, group_version: str, plural: str) -> bool:
         """Whether the apiserver serves `plural` in `group_version` (discovery; 404: not served)."""
 
-        def discover(**kwargs: Any) -> Any:
-            return self.client.call_api(
-                f"/apis/{group_version}",
-                "GET",
-                auth_settings=["BearerToken"],
-                response_type="object",
-                _return_http_data_only=True,
-                **kwargs,
-            )
-
         try:
-            found = await self.call("get", "APIResourceList", discover)
+            group, version = group_version.split("/")
+            found = await self.call("get", "APIResourceList", self.custom.get_api_resources, group, version)
         except ApiException as exc:
             if exc.status == 404:
                 return False
