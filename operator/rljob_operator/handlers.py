@@ -201,6 +201,10 @@ async def rljob_startup(
     settings.execution.max_workers = kube.API_THREADS
     # First what may fail (a busy port): kopf retries the startup, which must not leave a second
     # API client or resync loop behind.
+    # kopf logs every event handler's success at INFO: one line per watch event is noise, not news.
+    quiet = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, _QuietEventHandlers) for f in quiet.filters):
+        quiet.addFilter(_QuietEventHandlers())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
     state = State(kube=kube.Kube.from_environment())
@@ -209,6 +213,14 @@ async def rljob_startup(
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
     state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
     state.resync.add_done_callback(_resync_ended)
+
+
+class _QuietEventHandlers(logging.Filter):
+    """Drops kopf's "Handler 'rljob_..._event' succeeded." lines (the watch triggers below)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Handler 'rljob_") and message.endswith("_event' succeeded."))
 
 
 def _resync_ended(task: asyncio.Task[None]) -> None:
