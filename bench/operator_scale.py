@@ -360,7 +360,8 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(queues))
             labels = {"kueue.x-k8s.io/queue-name": QUEUE}
         t = time.monotonic()
-        cluster.add_nodes(args.nodes, name_prefix="bench", labels={"pool": "bench"})
+        # Two more for the warm-up job, so that all N jobs fit on the M nodes.
+        cluster.add_nodes(args.nodes + 2, name_prefix="bench", labels={"pool": "bench"})
         print(
             f"[{side.label}] registered {args.nodes} fake 8-GPU nodes in {time.monotonic() - t:.1f}s",
             flush=True,
