@@ -75,8 +75,10 @@ WAIT_FOR_TERMINATION_S = 1.0
 RETRY_INTERNAL_ERROR_S = 5.0
 # A job waiting for something no watch of ours sees (a ConfigMap, a claim): look again this often.
 RETRY_WAITING_S = 10.0
-# Pods and telemetry come in bursts (a gang's pods bound and started together): one reconcile.
-EVENT_COALESCE_S = 0.05
+# Pods and telemetry come in bursts (a gang's pods bound and started together): one reconcile,
+# and one status write instead of one per pod. RLJob changes are not delayed.
+EVENT_COALESCE_S = 0.25
+RESYNC_SCAN_PAUSE_S = 0.005
 RESYNC_MAX_SLEEP_S = 1.0  # the loop also looks for due jobs at least this often
 RESYNC_SWEEP_S = 5.0  # how often it forgets jobs gone from the index
 RESYNC_CONCURRENCY = 16
@@ -184,9 +186,9 @@ async def rljob_startup(
 ) -> None:
     """All kopf settings in one place, the API client, the metrics endpoint and the resync loop."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=names.KOPF_PREFIX, key="last-handled-configuration"
-    )
+    # kopf's create/update handlers are gone (the watch events reconcile), so nothing needs the
+    # last-handled configuration: storing it would cost one RLJob PATCH per job for nothing.
+    settings.persistence.diffbase_storage = _NoDiffBase()
     # No handler needs a finalizer (there are no kopf timers or daemons, and the delete handler
     # is optional), so none is added: deleting an RLJob, or the CRD after `helm uninstall`, never
     # waits for an operator that is gone. kopf removes the finalizer older versions added.
@@ -213,6 +215,16 @@ async def rljob_startup(
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
     state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
     state.resync.add_done_callback(_resync_ended)
+
+
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """A diff-base kopf never writes: no handler of ours compares an RLJob with its last version."""
+
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
 
 
 class _QuietEventHandlers(logging.Filter):
@@ -429,7 +441,7 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
             for key in (set(state.jobs) | set(due)) - present - set(running):
                 state.forget(key)
         # A short pause first: events come in bursts, and one scan serves them all.
-        await asyncio.sleep(EVENT_COALESCE_S / 10)
+        await asyncio.sleep(RESYNC_SCAN_PAUSE_S)
         await due.wait(wake_at - time.monotonic())
 
 
@@ -750,7 +762,7 @@ async def _step_adapt(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed
 
 
 async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Delete the stale pods, create the missing ones in index order (trainer 0 first)."""
+    """Delete the stale pods, create the missing ones (all at once; the Event lists them in order)."""
     spec = _spec_of(seen)
     assert seen.layout is not None
     desired = builders.build_pods(
@@ -761,13 +773,17 @@ async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed,
         desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
     diff = reconcile.diff_pods(desired, ctx.pods, ctx.attempt)
     await _delete_pods(ctx, diff.delete, why="stale")
-    created = []
     for pod in diff.create:
         kopf.adopt(pod, owner=ctx.body)
-        if await ctx.state.kube.create(pod):
+    # Independent objects (each create idempotent): one round trip for all, not one per pod.
+    made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in diff.create))
+    created = []
+    for pod, new in zip(diff.create, made, strict=True):
+        if new:
             metrics.PODS_CREATED.labels(pod["metadata"]["labels"][names.LABEL_ROLE]).inc()
             created.append(pod["metadata"]["name"])
     if created:
+        ctx.logger.info(f"reconciled {ctx.key}: created pods {', '.join(created)}")
         _post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
     if diff.waiting:
         ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
