@@ -70,10 +70,10 @@ TolerationOperator = Literal["Exists", "Equal"]
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 RestartPolicyName = Literal["Never", "OnFailure"]
-Phase = Literal["Pending", "Planning", "Running", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Planning", "Queued", "Running", "Suspended", "Succeeded", "Failed"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-PHASES: tuple[Phase, ...] = ("Pending", "Planning", "Running", "Suspended", "Succeeded", "Failed")
+PHASES: tuple[Phase, ...] = ("Pending", "Planning", "Queued", "Running", "Suspended", "Succeeded", "Failed")
 FINISHED_PHASES: tuple[Phase, ...] = ("Succeeded", "Failed")
 
 # Extended resource each accelerator kind requests; `resources.accelerator.resourceName` overrides.
@@ -1364,6 +1364,24 @@ class RolloutStatus(_Status):
         return self
 
 
+class QueueStatus(_Status):
+    """Where Kueue has the job's Workload (jobs labelled kueue.x-k8s.io/queue-name)."""
+
+    name: str = Field(description="The LocalQueue (label kueue.x-k8s.io/queue-name).")
+    workload: str = Field(description="The job's core Workload (trainer + minimum rollout pods).")
+    admitted: bool = Field(False, description="Kueue admitted the Workload: the pods may run.")
+    cluster_queue: str | None = Field(None, description="The ClusterQueue that admitted it.")
+    flavors: list[str] = Field(
+        default_factory=list, max_length=64, description="ResourceFlavors the pods were admitted to."
+    )
+    extra_engines_admitted: int | None = Field(
+        None, ge=0, description="Extra dedicated engines (adaptive mode) whose own Workloads are admitted."
+    )
+    message: str | None = Field(
+        None, max_length=1024, description="Kueue's word on the Workload while it waits (quota, eviction)."
+    )
+
+
 class ProgressStatus(_Status):
     """Training progress, reported by the driver at each sync point."""
 
@@ -1386,7 +1404,9 @@ class RLJobStatus(_Status):
     """Observed state of an RLJob, written only by the operator."""
 
     phase: Phase | None = Field(
-        None, description="Pending, Planning, Running, Suspended, Succeeded or Failed."
+        None,
+        description="Pending, Planning, Queued (waiting for Kueue to admit its Workload), Running, "
+        "Suspended, Succeeded or Failed.",
     )
     observed_generation: int | None = Field(
         None, ge=0, description="metadata.generation this status reflects."
@@ -1400,6 +1420,9 @@ class RLJobStatus(_Status):
     plan: PlanStatus | None = Field(None, description="The accelerator and engine plan in force.")
     rollout: RolloutStatus | None = Field(None, description="Rollout engines and the last adaptive decision.")
     progress: ProgressStatus | None = Field(None, description="Training progress.")
+    queue: QueueStatus | None = Field(
+        None, description="Kueue admission (only for jobs labelled kueue.x-k8s.io/queue-name)."
+    )
     restarts: int | None = Field(
         None,
         ge=0,

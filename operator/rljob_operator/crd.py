@@ -108,6 +108,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Queue",
+        "type": "string",
+        "jsonPath": ".status.queue.name",
+        "description": "Kueue LocalQueue (label kueue.x-k8s.io/queue-name); Queued until admitted.",
+        "priority": 1,
+    },
+    {
         "name": "Decision",
         "type": "string",
         "jsonPath": ".status.rollout.lastDecision",

@@ -50,6 +50,7 @@ import kopf
 import pydantic
 
 from rljob_operator import (
+    admission,
     api,
     builders,
     errors,
@@ -123,6 +124,8 @@ class State:
     # a pod of the attempt that is gone can be told from one not created yet or deleted by us.
     known: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     deleted: dict[str, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    # job key -> Workload name -> what it says (rljob_workloads, the Kueue watch)
+    workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
 
     def observe_job(self, body: dict[str, Any]) -> None:
@@ -162,6 +165,7 @@ class State:
         self.disrupted.pop(key, None)
         self.known.pop(key, None)
         self.deleted.pop(key, None)
+        self.workloads.pop(key, None)
         metrics.set_phase_counts(self.phases)
 
 
@@ -304,6 +308,30 @@ async def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, 
 async def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
     """Every node's labels, taints and allocatable resources, for the capacity check."""
     return {"nodes": reconcile.observe_node(body)}
+
+
+@kopf.on.event(
+    admission.KUEUE_GROUP,
+    admission.KUEUE_VERSION,
+    "workloads",
+    labels={names.LABEL_MANAGED_BY: names.MANAGED_BY},
+)
+async def rljob_workloads(
+    event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
+    """Kueue's Workloads of our jobs: kept in `State.workloads`, and a change (an admission, an
+    eviction) reconciles the job at once. Without Kueue's CRDs kopf serves nothing here."""
+    state = memo.get("rljob")
+    obs = admission.observe_workload(body)
+    if not isinstance(state, State) or obs is None:
+        return
+    key = names.job_key(namespace, obs.job)
+    table = state.workloads.setdefault(key, {})
+    if event.get("type") == "DELETED":
+        table.pop(obs.name, None)
+    else:
+        table[obs.name] = obs
+    state.due[key] = time.monotonic()
 
 
 @kopf.index(*RLJOBS)
@@ -589,6 +617,7 @@ async def _step_finished(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obser
     if ctx.old.phase not in api.FINISHED_PHASES or _spec_failure_fixed(ctx):
         return seen, False
     await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+    await _finish_workloads(ctx)
     ttl = ctx.raw_spec.get("ttlSecondsAfterFinished")
     done = ctx.old.completion_time
     if isinstance(ttl, int) and done is not None:
@@ -632,10 +661,12 @@ def _spec_of(seen: status.Observed) -> api.RLJobSpec:
 
 
 async def _step_suspend(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """spec.suspend: delete every pod, keep everything else."""
+    """spec.suspend: delete every pod (and the Kueue Workloads, whose quota goes back; resuming
+    queues the job again), keep everything else."""
     if not _spec_of(seen).suspend:
         return seen, False
     await _delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
+    await _release_workloads(ctx)
     return dataclasses.replace(seen, suspended=True), True
 
 
@@ -739,8 +770,9 @@ async def _step_volumes(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observ
 
 
 async def _step_capacity(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Before an attempt's first pod: can the pools ever hold the layout?"""
-    if _first_pods_of_attempt(ctx):
+    """Before an attempt's first pod: can the pools ever hold the layout? (Not for a job Kueue
+    admits: its flavors add the nodeLabels and tolerations that say where the pods may go.)"""
+    if _first_pods_of_attempt(ctx) and not _kueue_managed(ctx):
         assert seen.layout is not None
         reconcile.check_capacity(_spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
     return seen, False
@@ -768,6 +800,13 @@ async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed,
     desired = builders.build_pods(
         ctx.job, spec, seen.layout, attempt=ctx.attempt, config_hash=ctx.config_hash
     )
+    if seen.placements:  # Kueue admitted them: onto the admitted flavors' nodes
+        desired = [
+            admission.place_pod(d, seen.placements[d["metadata"]["name"]])
+            if d["metadata"]["name"] in seen.placements
+            else d
+            for d in desired
+        ]
     if seen.gang is not None and seen.gang[0]:  # members join the job's PodGroup (`_step_gang`)
         assert seen.plan is not None
         desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
@@ -837,6 +876,148 @@ async def _pod_groups_served(kube_: kube.Kube, state: State) -> bool:
     return state.pod_group_api[1]
 
 
+# ---- Kueue admission (the pure part: rljob_operator.admission) -----------------------------------
+async def _step_admission(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A job labelled kueue.x-k8s.io/queue-name: its Workloads exist before any pod, and no pod
+    exists until Kueue admits them; admitted pods go onto their flavors' nodes, and Kueue hears
+    PodsReady. Extra dedicated engines (adaptive mode) each wait for their own Workload."""
+    spec = _spec_of(seen)
+    labels = (ctx.body.get("metadata") or {}).get("labels") or {}
+    try:
+        queue_name = names.kueue_queue_name(labels)
+        priority_class = names.kueue_priority_class(labels)
+    except ValueError as exc:
+        raise admission.KueueLabelError("metadata.labels", str(exc)) from exc
+    if queue_name is None:
+        return seen, False
+    assert seen.plan is not None and seen.layout is not None
+    core_layout = builders.compute_layout(spec, seen.plan)  # the plan's engines: the job's minimum
+    core_pods = builders.build_pods(ctx.job, spec, core_layout)
+    trainers, rollouts = core_pods[: core_layout.trainer_pods], core_pods[core_layout.trainer_pods :]
+    known = ctx.state.workloads.setdefault(ctx.key, {})
+    wl_name = names.workload_name(ctx.job.name)
+    core = known.get(wl_name)
+    if core is None or not core.quota_reserved:
+        priority = await _workload_priority(ctx, spec, priority_class, core)
+        desired = admission.core_workload(
+            ctx.job, trainers, rollouts, queue_name=queue_name, priority=priority
+        )
+        if core is not None and not core.deleting and not admission.is_current(core, desired):
+            await ctx.state.kube.delete_workload(ctx.job.namespace, wl_name)  # pending: rebuild it
+            ctx.retry(WAIT_FOR_TERMINATION_S, f"Workload {wl_name} is rebuilt for the new spec")
+            core = None
+        elif core is None:
+            kopf.adopt(desired, owner=ctx.body)
+            if await ctx.state.kube.create(desired):
+                _post(
+                    ctx, "Normal", "WorkloadCreated", f"created Workload {wl_name} in LocalQueue {queue_name}"
+                )
+            else:  # it exists, and the watch has not told us yet (an operator restart)
+                core = admission.observe_workload(
+                    await ctx.state.kube.read_workload(ctx.job.namespace, wl_name) or {}
+                )
+                if core is not None:
+                    known[wl_name] = core
+    queue = admission.queue_status(core, queue_name, wl_name)
+    if core is None or not core.admitted:
+        return dataclasses.replace(seen, queue=queue), True  # no pod until Kueue admits the Workload
+    # Extra engines beyond the minimum: one lower-priority Workload each, a pod once admitted.
+    current = [p for p in ctx.pods if p.attempt == ctx.attempt and not p.deleting]
+    core_n, target = core_layout.rollout_pods, seen.layout.rollout_pods
+    extra = {s.engine: s for s in known.values() if s.engine is not None}
+    running = [p.index for p in current if p.role == names.ROLE_ROLLOUT]
+    for index in sorted(set(range(core_n, target)) - set(extra)):
+        pod = builders.build_rollout_pod(ctx.job, spec, seen.layout, index)
+        wl = admission.engine_workload(
+            ctx.job, pod, index, queue_name=queue_name, core_priority=core.priority
+        )
+        kopf.adopt(wl, owner=ctx.body)
+        await ctx.state.kube.create(wl)
+    release = admission.engines_to_release(core_n, target, extra, running)
+    await _delete_pods(ctx, [names.rollout_pod_name(ctx.job.name, i) for i in release], why="kueue")
+    for name in admission.stale_engine_workloads(core_n, target, extra, running):
+        await ctx.state.kube.delete_workload(ctx.job.namespace, name)
+    allowed = admission.admitted_engines(core_n, target, extra)
+    admitted = admission.admitted_pod_sets(
+        ctx.job.name, core, admission.pod_set_pods(trainers, rollouts), extra, range(core_n, allowed)
+    )
+    for wl, members in admitted:
+        await _report_pods_ready(ctx, wl, {n for pods in members.values() for n in pods}, current)
+    # The admitted flavors' placement, read only when a pod is to be created.
+    placements: dict[str, admission.Placement] = {}
+    present = {p.name for p in current}
+    if any(n not in present for _, members in admitted for pods in members.values() for n in pods):
+        flavor_names = admission.flavor_names(wl for wl, _ in admitted)
+        flavors = {f: await ctx.state.kube.read_kueue_object("resourceflavors", f) for f in flavor_names}
+        for wl, members in admitted:
+            placements.update(admission.pod_placements(wl, members, flavors))
+    queue = admission.queue_status(core, queue_name, wl_name, extra_engines_admitted=allowed - core_n)
+    layout = builders.compute_layout(spec, seen.plan, allowed) if allowed != target else seen.layout
+    return dataclasses.replace(seen, queue=queue, placements=placements, layout=layout), False
+
+
+def _kueue_managed(ctx: _Ctx) -> bool:
+    return names.KUEUE_QUEUE_LABEL in ((ctx.body.get("metadata") or {}).get("labels") or {})
+
+
+async def _workload_priority(
+    ctx: _Ctx, spec: api.RLJobSpec, class_name: str | None, current: admission.WorkloadState | None
+) -> admission.WorkloadPriority | None:
+    """The Workload's priority: the label's WorkloadPriorityClass, else the trainer pool's
+    PriorityClass; read from the class only when the Workload does not already name it."""
+    kind, name = (
+        ("WorkloadPriorityClass", class_name)
+        if class_name
+        else ("PriorityClass", spec.trainer_pool.priority_class_name)
+    )
+    if name is None:
+        return None
+    if current is not None and current.priority_class == (kind, name) and current.priority is not None:
+        return admission.WorkloadPriority(kind=kind, name=name, value=current.priority)
+    if kind == "WorkloadPriorityClass":
+        obj = await ctx.state.kube.read_kueue_object("workloadpriorityclasses", name)
+        field = f"metadata.labels[{names.KUEUE_PRIORITY_CLASS_LABEL}]"
+    else:
+        obj = await ctx.state.kube.read_priority_class(name)
+        field = "spec.trainerPool.priorityClassName"
+    if obj is None:
+        raise admission.PriorityClassNotFoundError(
+            field, f"{kind} {name!r} is not found: create it, or fix the name"
+        )
+    return admission.WorkloadPriority(kind=kind, name=name, value=int(obj.get("value") or 0))
+
+
+async def _report_pods_ready(
+    ctx: _Ctx, wl: admission.WorkloadState, pod_names: set[str], current: list[reconcile.PodObservation]
+) -> None:
+    """Tell Kueue whether the Workload's pods are up (its PodsReady condition, server-side applied)."""
+    ready = pod_names <= {p.name for p in current if p.phase == "Running"}
+    cond = admission.pods_ready_condition(wl, ready, now=ctx.now)
+    if cond is not None:
+        await ctx.state.kube.apply_workload_status(
+            admission.condition_apply(wl, cond), admission.PODS_READY_FIELD_MANAGER
+        )
+
+
+async def _release_workloads(ctx: _Ctx) -> None:
+    """A suspended job holds no quota: delete its Workloads (they are rebuilt when it resumes)."""
+    for wl in list(ctx.state.workloads.get(ctx.key, {}).values()):
+        if not wl.deleting:
+            await ctx.state.kube.delete_workload(ctx.job.namespace, wl.name)
+
+
+async def _finish_workloads(ctx: _Ctx) -> None:
+    """A finished job gives its quota back: its Workloads get Finished=True, as Kueue's own jobs do."""
+    outcome = "Succeeded" if ctx.old.phase == "Succeeded" else "Failed"
+    for wl in ctx.state.workloads.get(ctx.key, {}).values():
+        if wl.finished or wl.deleting:
+            continue
+        cond = admission.finished_condition(wl, outcome, now=ctx.now)
+        await ctx.state.kube.apply_workload_status(
+            admission.condition_apply(wl, cond), admission.FINISHED_FIELD_MANAGER
+        )
+
+
 #: The reconcile, in order. Each step returns what it observed; `compute_status` reads it all once.
 STEPS: tuple[Step, ...] = (
     _step_finished,
@@ -848,6 +1029,7 @@ STEPS: tuple[Step, ...] = (
     _step_volumes,
     _step_capacity,
     _step_adapt,
+    _step_admission,
     _step_gang,
     _step_pods,
 )

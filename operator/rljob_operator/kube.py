@@ -18,9 +18,10 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from rljob_operator import api, kubeclient, metrics
-from rljob_operator.builders import podgroup
+from rljob_operator.builders import podgroup, workload
 
 API_THREADS = 16
+KUEUE_GROUP, KUEUE_VERSION = workload.GROUP, workload.VERSION
 POD_GROUP_API = podgroup.API_VERSION  # native gang scheduling (Kubernetes 1.37, GenericWorkload)
 
 
@@ -45,8 +46,10 @@ class Kube:
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Event": self.core.create_namespaced_event,
+            "Workload": self._create_workload,
             "PodGroup": self._create_pod_group,
         }
+        self.scheduling = kubernetes.client.SchedulingV1Api(client)
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -170,6 +173,70 @@ class Kube:
             namespace,
             api.PLURAL,
             name,
+        )
+
+    # ---- Kueue (kueue.x-k8s.io/v1beta2): Workloads, ResourceFlavors, WorkloadPriorityClasses ----
+    def _create_workload(self, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        return self.custom.create_namespaced_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", body, **kwargs
+        )
+
+    async def delete_workload(self, namespace: str, name: str) -> bool:
+        try:
+            await self.call(
+                "delete",
+                "Workload",
+                self.custom.delete_namespaced_custom_object,
+                KUEUE_GROUP,
+                KUEUE_VERSION,
+                namespace,
+                "workloads",
+                name,
+                body={"propagationPolicy": "Background"},
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await self._read(
+            "Workload",
+            self.custom.get_namespaced_custom_object,
+            KUEUE_GROUP,
+            KUEUE_VERSION,
+            namespace,
+            "workloads",
+            name,
+        )
+
+    async def read_kueue_object(self, plural: str, name: str) -> dict[str, Any] | None:
+        """A cluster-scoped Kueue object (resourceflavors, workloadpriorityclasses), None if absent."""
+        return await self._read(
+            plural, self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, plural, name
+        )
+
+    async def read_priority_class(self, name: str) -> dict[str, Any] | None:
+        return await self._read("PriorityClass", self.scheduling.read_priority_class, name)
+
+    async def apply_workload_status(self, body: dict[str, Any], field_manager: str) -> None:
+        """Server-side apply to a Workload's status subresource as `field_manager` (force: the
+        fields it names are ours), the way Kueue writes each of its conditions."""
+        meta = body["metadata"]
+        await self.call(
+            "apply",
+            "Workload",
+            self.custom.patch_namespaced_custom_object_status,
+            KUEUE_GROUP,
+            KUEUE_VERSION,
+            meta["namespace"],
+            "workloads",
+            meta["name"],
+            body,
+            field_manager=field_manager,
+            force=True,
+            _content_type="application/apply-patch+yaml",
         )
 
     async def serves(self, group_version: str, plural: str) -> bool:

@@ -81,5 +81,5 @@ def set_phase_counts(phases: dict[str, str]) -> None:
     counts: dict[str, int] = {}
     for phase in phases.values():
         counts[phase] = counts.get(phase, 0) + 1
-    for phase in ("Pending", "Planning", "Running", "Suspended", "Succeeded", "Failed", *counts):
+    for phase in ("Pending", "Planning", "Queued", "Running", "Suspended", "Succeeded", "Failed", *counts):
         JOBS_BY_PHASE.labels(phase).set(counts.get(phase, 0))

@@ -91,6 +91,12 @@ def workload_name(job: str) -> str:
     return f"rljob-{job}"
 
 
+def engine_workload_name(job: str, index: int) -> str:
+    """The Kueue Workload of dedicated engine `index` added beyond the minimum (adaptive mode):
+    `rljob-<job>-rollout-<index>`, the Workload of pod `<job>-rollout-<index>`."""
+    return f"rljob-{job}-rollout-{index}"
+
+
 def pod_group_name(job: str) -> str:
     """The scheduling.k8s.io PodGroup of an RLJob's gang (trainer pods plus the minimum rollout pods)."""
     return job

@@ -17,6 +17,8 @@ Condition types:
 - `Restarting`: a new attempt replaces the pods (after a failure, with backoff; after a
   disruption, at once); lastTransitionTime = when it began.
 - `Complete` / `Failed`: the run ended (a spec error fails the job until a new generation fixes it).
+- `Admitted`: only for jobs labelled `kueue.x-k8s.io/queue-name`: Kueue admitted the job's
+  Workload (False/Queued: no pod exists until it does; the phase is `Queued`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Literal
 import pydantic
 
 from rljob_operator import api, errors, names
+from rljob_operator.admission import Placement
 from rljob_operator.builders.common import JobLayout
 from rljob_operator.reconcile import PodObservation, RestartDecision
 from rljob_trainer.telemetry import SyncReport
@@ -40,7 +43,8 @@ RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
 GANG_SCHEDULING = "GangScheduling"
-CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, GANG_SCHEDULING)
+ADMITTED = "Admitted"
+CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, ADMITTED, GANG_SCHEDULING)
 RESTART_AFTER_DISRUPTION = "Disrupted"
 RESTART_AFTER_FAILURE = "PodFailed"
 FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
@@ -91,6 +95,9 @@ class Observed:
     - pods: the pods of the attempt in force; waiting: names still terminating.
     - rollout: adaptive targets decided by this reconcile (persisted with the status).
     - gang: the GangScheduling condition (status, reason, message): a PodGroup, or why none.
+    - queue: Kueue admission of a job labelled kueue.x-k8s.io/queue-name (None: not queued by
+      Kueue); while `queue.admitted` is False the job is Queued and has no pods. placements: for
+      each pod Kueue admitted, the nodeLabels and tolerations of its flavors (the pods step applies them).
     """
 
     spec: api.RLJobSpec | None = None
@@ -106,6 +113,8 @@ class Observed:
     report: SyncReport | None = None
     rollout: api.RolloutStatus | None = None
     gang: tuple[bool, str, str] | None = None
+    queue: api.QueueStatus | None = None
+    placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
 
 
 def _condition(
@@ -279,6 +288,15 @@ def compute_status(
     )
     running, desired = _pods_summary(observed.pods, layout)
     action = decision.action if decision is not None else "run"
+    queue = observed.queue
+    new.queue = queue
+    if queue is not None:
+        put(
+            ADMITTED,
+            queue.admitted,
+            "Admitted" if queue.admitted else "Queued",
+            _queue_message(queue),
+        )
     if suspended:
         new.phase = "Suspended"
         put(READY, False, "Suspended", "the job is suspended")
@@ -300,6 +318,9 @@ def compute_status(
         message = _restart_message(decision, spec)
         put(READY, False, decision.reason, message)
         put(RESTARTING, True, decision.reason, message, force=True)
+    elif queue is not None and not queue.admitted and not observed.pods:
+        new.phase = "Queued"
+        put(READY, False, "Queued", _queue_message(queue))
     elif observed.restart_wait_s is not None:
         restarting = find(conds, RESTARTING)
         new.phase = "Pending"
@@ -323,6 +344,14 @@ def compute_status(
             put(RESTARTING, False, "PodsRecreated", "")
     new.conditions = conds
     return new
+
+
+def _queue_message(queue: api.QueueStatus) -> str:
+    if queue.admitted:
+        flavors = f" to flavors {', '.join(queue.flavors)}" if queue.flavors else ""
+        return f"Workload {queue.workload} admitted by ClusterQueue {queue.cluster_queue}{flavors}"
+    head = f"Workload {queue.workload} waits in LocalQueue {queue.name}; no pod runs until Kueue admits it"
+    return f"{head}: {queue.message}" if queue.message else head
 
 
 def _plan_message(plan: api.PlanStatus | None) -> str:
@@ -406,7 +435,7 @@ def event_type(cond: api.Condition) -> Literal["Normal", "Warning"]:
     bad = (cond.type in (FAILED, RESTARTING) and cond.status == "True") or (
         cond.type in (PLANNED, READY)
         and cond.status == "False"
-        and cond.reason not in ("PodsPending", "Suspended", "Finished", "SpecFixed")
+        and cond.reason not in ("PodsPending", "Suspended", "Finished", "SpecFixed", "Queued")
     )
     return "Warning" if bad else "Normal"
 

@@ -56,10 +56,15 @@ NAMESPACED_RULES: Rules = {
     ("", "events"): {"create"},
     ("", "persistentvolumeclaims"): {"get"},
     ("scheduling.k8s.io", "podgroups"): {"get", "create", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "delete"},
+    ("kueue.x-k8s.io", "workloads/status"): {"patch"},
 }
 CLUSTER_RULES: Rules = {
     ("", "nodes"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("kueue.x-k8s.io", "resourceflavors"): {"get"},
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
+    ("scheduling.k8s.io", "priorityclasses"): {"get"},
 }
 # Leader election (operator/rljob_operator/leader.py), in the release namespace only.
 LEASE_RULES: Rules = {("coordination.k8s.io", "leases"): {"create", "get", "update"}}

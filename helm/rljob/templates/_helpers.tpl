@@ -112,6 +112,17 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Kueue: an RLJob labelled kueue.x-k8s.io/queue-name gets Workloads (the core one, one per extra
+# engine) before any pod. They are watched (an admission reconciles the job at once), read when the
+# watch has not caught up, deleted when an extra engine is released or a pending one is rebuilt for
+# a new spec. Harmless without Kueue: nothing is watched while its CRDs are absent.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, delete]
+# PodsReady and Finished conditions, server-side applied with our own field managers.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 {{- end -}}
 
 {{/* Cluster-scoped reads, needed in every mode. */}}
@@ -126,6 +137,15 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+# Kueue: the ResourceFlavors an admission names (their nodeLabels and tolerations go on the pods)
+# and the WorkloadPriorityClass of label kueue.x-k8s.io/priority-class (read for its value, or the
+# pods' PriorityClass when the Workload's priority comes from spec.trainerPool.priorityClassName).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors, workloadpriorityclasses]
+  verbs: [get]
+- apiGroups: [scheduling.k8s.io]
+  resources: [priorityclasses]
+  verbs: [get]
 {{- if include "rljob.watchNamespace" . }}
 # With a namespace list kopf lists and watches namespaces to follow them being created and deleted.
 # Denied, it retries for about a minute (logging 403 errors) before it falls back to the names as

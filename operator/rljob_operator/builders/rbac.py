@@ -13,6 +13,7 @@ from typing import Any
 from rljob_operator import names
 
 API_GROUP = "rljob.io"
+KUEUE_GROUP = "kueue.x-k8s.io"
 PLURAL = "rljobs"
 
 
@@ -93,6 +94,10 @@ def operator_rules() -> list[dict[str, Any]]:
       minCount changes.
     - events: kopf posts Events on transitions.
     - kopf peering and CRD/namespace discovery.
+    - Kueue (kueue.x-k8s.io): the job's Workloads (created, watched, deleted when an extra engine
+      is released or a pending one is rebuilt), their status (PodsReady and Finished, server-side
+      applied), and reads of the ResourceFlavors and WorkloadPriorityClasses they name; the pods'
+      PriorityClass value when the Workload's priority comes from it.
     """
     rw = ["get", "list", "watch", "create", "update", "patch", "delete"]
     read = ["get", "list", "watch"]
@@ -110,6 +115,10 @@ def operator_rules() -> list[dict[str, Any]]:
         _rule("", ["namespaces"], read),
         _rule("apiextensions.k8s.io", ["customresourcedefinitions"], read),
         _rule("kopf.dev", ["clusterkopfpeerings", "kopfpeerings"], [*read, "patch"]),
+        _rule(KUEUE_GROUP, ["workloads"], [*read, "create", "delete"]),
+        _rule(KUEUE_GROUP, ["workloads/status"], ["patch"]),
+        _rule(KUEUE_GROUP, ["resourceflavors", "workloadpriorityclasses"], read),
+        _rule("scheduling.k8s.io", ["priorityclasses"], ["get"]),
     ]
 
 

@@ -25,7 +25,8 @@ from rljob_operator import names
 from rljob_operator.builders.common import JobRef, content_hash, deep_copy
 
 GROUP = "kueue.x-k8s.io"
-API_VERSION = f"{GROUP}/v1beta2"
+VERSION = "v1beta2"
+API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "Workload"
 # Kueue's limit on podSets per Workload (WorkloadSpec.podSets MaxItems).
 MAX_POD_SETS = 8
@@ -76,11 +77,12 @@ def _template(pod: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def build_pod_sets(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
-    """Kueue podSets for `(role, pods)` pairs, in order: one per run of identically scheduled pods.
-
-    Raises ValueError when that takes more than Kueue's 8 podSets."""
-    pod_sets: list[dict[str, Any]] = []
+def group_pod_sets(
+    role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """`(podSet name, its pods)` for `(role, pods)` pairs, in order: one per run of identically
+    scheduled pods. The shell maps an admission's podSetAssignments back to pods with it."""
+    out: list[tuple[str, list[dict[str, Any]]]] = []
     for role, pods in role_pods:
         groups: list[tuple[str, list[dict[str, Any]]]] = []
         for pod in pods:
@@ -89,14 +91,18 @@ def build_pod_sets(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) ->
                 groups[-1][1].append(pod)
             else:
                 groups.append((signature, [pod]))
-        for k, (_, members) in enumerate(groups):
-            pod_sets.append(
-                {
-                    "name": role if k == 0 else f"{role}-{k}",
-                    "count": len(members),
-                    "template": _template(members[0]),
-                }
-            )
+        out += [(role if k == 0 else f"{role}-{k}", members) for k, (_, members) in enumerate(groups)]
+    return out
+
+
+def build_pod_sets(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Kueue podSets for `(role, pods)` pairs, in order: one per run of identically scheduled pods.
+
+    Raises ValueError when that takes more than Kueue's 8 podSets."""
+    pod_sets = [
+        {"name": name, "count": len(members), "template": _template(members[0])}
+        for name, members in group_pod_sets(role_pods)
+    ]
     if len(pod_sets) > MAX_POD_SETS:
         raise ValueError(
             f"the job's pods need {len(pod_sets)} Kueue podSets ({', '.join(p['name'] for p in pod_sets)}); "
@@ -135,4 +141,32 @@ def build_workload(
             "labels": {names.LABEL_JOB: job.name, names.LABEL_MANAGED_BY: names.MANAGED_BY},
         },
         "spec": spec,
+    }
+
+
+def build_engine_workload(
+    job: JobRef, rollout_pod: dict[str, Any], index: int, *, queue_name: str, core_priority: int | None
+) -> dict[str, Any]:
+    """The Workload `rljob-<job>-rollout-<index>` of one dedicated engine that adaptive mode added
+    beyond the minimum: one podSet `rollout` of one pod, one below the core Workload's priority, so
+    quota bounds scale-up and Kueue preempts extra engines before the job's core (its
+    `LowerPriority` rule). No priorityClassRef: the value is all Kueue orders by."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {
+            "name": names.engine_workload_name(job.name, index),
+            "namespace": job.namespace,
+            "labels": {
+                names.LABEL_JOB: job.name,
+                names.LABEL_MANAGED_BY: names.MANAGED_BY,
+                names.LABEL_ROLE: names.ROLE_ROLLOUT,
+                names.LABEL_INDEX: str(index),
+            },
+        },
+        "spec": {
+            "queueName": queue_name,
+            "podSets": build_pod_sets([(names.ROLE_ROLLOUT, [rollout_pod])]),
+            "priority": (core_priority or 0) - 1,
+        },
     }
