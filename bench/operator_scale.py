@@ -1,8 +1,8 @@
 """Operator scale benchmark: N RLJobs on M fake GPU nodes against the real control plane, at the
 Helm chart's own settings.
 
-For each side (this tree; `--baseline REF`, another commit's operator, first; this tree with Kueue
-admission) it starts a fresh local control plane (`tests/testenv`), registers M fake 8-GPU nodes,
+For each side (this tree; this tree with Kueue admission; `--baseline REF`, another commit's
+operator) it starts a fresh local control plane (`tests/testenv`), registers M fake 8-GPU nodes,
 runs the operator the way the chart's Deployment does (`rljob operator --namespace NS
 --leader-election-namespace NS`, with the chart's `values.yaml` environment:
 RLJOB_RECONCILE_INTERVAL_S, RLJOB_EVENT_INTERVAL_S), creates N RLJobs (each one 8-GPU trainer pod
@@ -144,7 +144,9 @@ def extract_baseline(ref: str) -> Path:
     return out
 
 
-def start_operator(cluster: LocalCluster, side: Side, metrics_port: int) -> subprocess.Popen[bytes]:
+def start_operator(
+    cluster: LocalCluster, side: Side, metrics_port: int, *, leader_election: bool
+) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
         **side.chart_env(),
@@ -155,6 +157,8 @@ def start_operator(cluster: LocalCluster, side: Side, metrics_port: int) -> subp
     env.pop("RLJOB_POOLS_CONFIGMAP", None)  # the chart's default: no pools
     argv = [sys.executable, "-m", "rljob_operator.cli", "operator", "--namespace", NAMESPACE,
             "--leader-election-namespace", NAMESPACE, "--log-level", "WARNING"]  # fmt: skip
+    if not leader_election:
+        argv.append("--no-leader-election")
     log = open(LOG_DIR / f"rljob-bench-operator-{side.label.replace(' ', '-')}.log", "w")  # noqa: SIM115
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -367,7 +371,7 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             flush=True,
         )
 
-        proc = start_operator(cluster, side, args.metrics_port)
+        proc = start_operator(cluster, side, args.metrics_port, leader_election=args.leader_election)
         custom = client.CustomObjectsApi(cluster.api_client())
         watcher = Watcher(cluster)
         watcher.start()
@@ -502,6 +506,13 @@ def main() -> int:
         default=True,
         help="also measure with Kueue admission",
     )
+    ap.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as the chart runs it (default); off where a loaded machine makes the Lease renewal miss "
+        "its 10 s deadline, so the operator exits (3) mid-run",
+    )
     ap.add_argument("--idle-seconds", type=float, default=60)
     ap.add_argument("--settle-seconds", type=float, default=10, help="wait after all Running before idling")
     ap.add_argument("--metrics-port", type=int, default=18080)
@@ -513,13 +524,12 @@ def main() -> int:
         args.jobs, args.nodes, args.idle_seconds = 20, 40, 20
 
     here = Side("this tree", REPO / "operator", REPO / "helm" / "rljob" / "values.yaml")
-    sides = []
-    if args.baseline:
-        base = extract_baseline(args.baseline)
-        sides.append(Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml"))
-    sides.append(here)
+    sides = [here]
     if args.kueue:
         sides.append(Side("this tree + Kueue", here.source, here.chart_values, kueue=True))
+    if args.baseline:  # last: this tree's figures come first if the run is cut short
+        base = extract_baseline(args.baseline)
+        sides.append(Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml"))
     results = []
     for side in sides:
         results.append(run_side(side, args))
