@@ -1,14 +1,30 @@
-"""Operator scale benchmark: N RLJobs on M fake GPU nodes against the real control plane.
+"""Operator scale benchmark: N RLJobs on M fake GPU nodes against the real control plane, at the
+Helm chart's own settings.
 
-Starts the local control plane (`tests/testenv`), registers M fake 8-GPU nodes, runs the operator
-as a subprocess (`kopf run --standalone -m rljob_operator.handlers`), creates N RLJobs (each: one
-8-GPU trainer pod and one 8-GPU rollout pod) as fast as one client can, and measures for every job
-the time from its create call returning to the last of its pods appearing in a pod watch. API cost
-is measured twice: the operator's own handler calls (its `rljob_operator_api_requests_total`
-metric) and the apiserver's `apiserver_request_total` deltas on RLJobs and their child kinds
-(events and the kubelet/scheduler's pod subresources excluded), minus this client's creates.
+For each side (this tree; this tree with Kueue admission; `--baseline REF`, another commit's
+operator) it starts a fresh local control plane (`tests/testenv`), registers M fake 8-GPU nodes,
+runs the operator the way the chart's Deployment does (`rljob operator --namespace NS
+--leader-election-namespace NS`, with the chart's `values.yaml` environment:
+RLJOB_RECONCILE_INTERVAL_S, RLJOB_EVENT_INTERVAL_S), creates N RLJobs (each one 8-GPU trainer pod
+and one 8-GPU rollout pod) as fast as one client can, and measures:
 
-    .venv/bin/python bench/operator_scale.py --jobs 200 --nodes 400
+- create -> all pods: from a job's create call returning to the last of its pods appearing in a
+  pod watch (p50, p99, max);
+- API requests per job, from the apiserver's `apiserver_request_total` on RLJobs and their child
+  kinds (pods without the kubelet's status writes and the scheduler's bindings; events counted
+  apart), from the first create until every job is Running and the status writes have settled,
+  minus this client's own creates; and the operator's own handler calls (its
+  `rljob_operator_api_requests_total`);
+- idle: with every job Running, over `--idle-seconds`: the operator's CPU (% of one core, from
+  /proc) and RSS, the apiserver's requests/s on those kinds, and the operator's own calls/s.
+  (Leader election renews its Lease every 2 s besides: 0.5 requests/s, not counted above.)
+
+With Kueue (`--kueue`, default on when this tree has the admission step and the Kueue binary can
+run here): the jobs carry `kueue.x-k8s.io/queue-name`, a ClusterQueue with room for all of them
+admits their Workloads, and create -> all pods includes the admission.
+
+    .venv/bin/python bench/operator_scale.py --quick
+    .venv/bin/python bench/operator_scale.py --jobs 500 --nodes 1000 --baseline main
 """
 
 from __future__ import annotations
@@ -17,14 +33,21 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -32,10 +55,21 @@ sys.path.insert(0, str(REPO / "tests"))
 from testenv.cluster import LocalCluster  # noqa: E402
 
 NAMESPACE = "bench"
-LOG = Path(os.environ.get("RLJOB_BENCH_LOG", "/tmp/rljob-bench-operator.log"))
-CHILD_RESOURCES = {"rljobs", "pods", "configmaps", "services", "serviceaccounts", "roles", "rolebindings"}
+QUEUE = "bench-queue"
+LOG_DIR = Path(os.environ.get("RLJOB_BENCH_LOG_DIR", "/tmp"))
+CHILD_RESOURCES = {
+    "rljobs",
+    "pods",
+    "configmaps",
+    "services",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "workloads",
+    "podgroups",
+}
 _METRIC_RE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
-
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -49,11 +83,11 @@ TINY_CONFIG = {
 }
 
 
-def rljob(name: str) -> dict[str, Any]:
+def rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "rljob.io/v1alpha1",
         "kind": "RLJob",
-        "metadata": {"name": name, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {}},
         "spec": {
             "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": TINY_CONFIG}},
             "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
@@ -71,36 +105,107 @@ def rljob(name: str) -> dict[str, Any]:
     }
 
 
+# ---- the operator as the chart runs it -----------------------------------------------------------
+@dataclass(frozen=True)
+class Side:
+    """One operator to measure: its source folder (`operator/`) and its chart's values."""
+
+    label: str
+    source: Path
+    chart_values: Path
+    kueue: bool = False
+
+    def chart_env(self) -> dict[str, str]:
+        """The environment the chart's Deployment gives the operator, from that side's values.yaml."""
+        values = yaml.safe_load(self.chart_values.read_text())
+        op = values.get("operator") or {}
+        env = {
+            "RLJOB_RECONCILE_INTERVAL_S": str(op.get("reconcileIntervalSeconds", "")),
+            "RLJOB_EVENT_INTERVAL_S": str(op.get("eventIntervalSeconds", "")),
+        }
+        return {k: v for k, v in env.items() if v}
+
+    def has_admission(self) -> bool:
+        return (self.source / "rljob_operator" / "admission.py").exists()
+
+
+def extract_baseline(ref: str) -> Path:
+    """`operator/` and `helm/` of commit `ref`, extracted read-only from git (no worktree)."""
+    out = Path(tempfile.mkdtemp(prefix="rljob-bench-baseline-"))
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "operator", "helm"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    tar_path = out / "src.tar"
+    tar_path.write_bytes(archive)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(out, filter="data")
+    return out
+
+
+def start_operator(
+    cluster: LocalCluster, side: Side, metrics_port: int, *, leader_election: bool
+) -> subprocess.Popen[bytes]:
+    env = dict(
+        os.environ,
+        **side.chart_env(),
+        KUBECONFIG=str(cluster.kubeconfig),
+        RLJOB_METRICS_PORT=str(metrics_port),
+        PYTHONPATH=os.pathsep.join([str(side.source), os.environ.get("PYTHONPATH", "")]),
+    )
+    env.pop("RLJOB_POOLS_CONFIGMAP", None)  # the chart's default: no pools
+    argv = [sys.executable, "-m", "rljob_operator.cli", "operator", "--namespace", NAMESPACE,
+            "--leader-election-namespace", NAMESPACE, "--log-level", "WARNING"]  # fmt: skip
+    if not leader_election:
+        argv.append("--no-leader-election")
+    log = open(LOG_DIR / f"rljob-bench-operator-{side.label.replace(' ', '-')}.log", "w")  # noqa: SIM115
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+# ---- measurements --------------------------------------------------------------------------------
 def apiserver_requests(cluster: LocalCluster) -> dict[tuple[str, str], float]:
-    """(verb, resource) → count, for the RLJob and child resources (no subresources, no events)."""
+    """(verb, resource[/status]) -> count, for RLJobs, their children and events (no bindings,
+    no pod status writes: those are the scheduler's and the kubelet's)."""
     text = cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         m = _METRIC_RE.match(line)
         if not m:
             continue
-        labels = dict(kv.split("=", 1) for kv in re.findall(r'\w+="[^"]*"', m.group("labels")))
-        labels = {k: v.strip('"') for k, v in labels.items()}
-        if labels.get("resource") not in CHILD_RESOURCES or labels.get("subresource", "") not in (
-            "",
-            "status",
-        ):
+        labels = {
+            k: v.strip('"')
+            for k, v in (kv.split("=", 1) for kv in re.findall(r'\w+="[^"]*"', m.group("labels")))
+        }
+        resource, sub = labels.get("resource", ""), labels.get("subresource", "")
+        if resource not in CHILD_RESOURCES | {"events"} or sub not in ("", "status"):
             continue
-        if labels.get("resource") == "pods" and labels.get("subresource") == "status":
-            continue  # the fake kubelet's status updates
-        key = (labels.get("verb", ""), labels["resource"] + ("/status" if labels.get("subresource") else ""))
+        if resource == "pods" and sub == "status":
+            continue
+        key = (labels.get("verb", ""), resource + ("/status" if sub else ""))
         out[key] = out.get(key, 0.0) + float(m.group("value"))
     return out
 
 
-def operator_requests(port: int) -> dict[str, float]:
+def operator_requests(port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("rljob_operator_api_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels] = float(value)
-    return out
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("rljob_operator_api_requests_total{")
+    )
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,82 +213,181 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=100)
-    ap.add_argument("--nodes", type=int, default=200)
-    ap.add_argument("--metrics-port", type=int, default=18080)
-    ap.add_argument("--timeout", type=float, default=600)
-    args = ap.parse_args()
+def diff(after: dict[Any, float], before: dict[Any, float]) -> dict[Any, float]:
+    out = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {k: v for k, v in out.items() if v > 0 and k[0] != "WATCH"}
 
-    from kubernetes import client, watch
+
+class Watcher:
+    """First-seen times of pods and the phase of every RLJob, from watches (never counted: WATCH)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        from kubernetes import client
+
+        api = cluster.api_client()
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        self.pods: dict[str, float] = {}
+        self.phases: dict[str, str] = {}
+        self.stop = threading.Event()
+        self._ready = [threading.Event(), threading.Event()]
+
+    def start(self) -> None:
+        for target, ready in ((self._watch_pods, self._ready[0]), (self._watch_jobs, self._ready[1])):
+            threading.Thread(target=target, args=(ready,), daemon=True).start()
+        for ready in self._ready:
+            ready.wait()
+
+    def _loop(
+        self, list_fn: Callable[..., Any], on_object: Callable[[str, Any], None], ready: threading.Event
+    ) -> None:
+        from kubernetes import watch
+
+        version = None
+        while not self.stop.is_set():
+            try:
+                if version is None:
+                    listing = list_fn()
+                    for obj in listing["items"] if isinstance(listing, dict) else listing.items:
+                        on_object("ADDED", obj)
+                    meta = listing["metadata"] if isinstance(listing, dict) else listing.metadata
+                    version = meta["resourceVersion"] if isinstance(meta, dict) else meta.resource_version
+                    ready.set()
+                w = watch.Watch()
+                for ev in w.stream(list_fn, resource_version=version, timeout_seconds=30):
+                    obj = ev["object"]
+                    if ev["type"] == "ERROR":
+                        version = None
+                        break
+                    on_object(ev["type"], obj)
+                    meta = obj["metadata"] if isinstance(obj, dict) else obj.metadata
+                    version = meta["resourceVersion"] if isinstance(meta, dict) else meta.resource_version
+                    if self.stop.is_set():
+                        w.stop()
+            except Exception:  # an expired or dropped watch: list again
+                version = None
+                time.sleep(0.2)
+
+    def _watch_pods(self, ready: threading.Event) -> None:
+        def on_pod(kind: str, pod: Any) -> None:  # a V1Pod from the list, a dict from the watch
+            if kind == "ADDED":
+                name = pod["metadata"]["name"] if isinstance(pod, dict) else pod.metadata.name
+                self.pods.setdefault(name, time.monotonic())
+
+        self._loop(lambda **kw: self.core.list_namespaced_pod(NAMESPACE, **kw), on_pod, ready)
+
+    def _watch_jobs(self, ready: threading.Event) -> None:
+        def on_job(kind: str, job: dict[str, Any]) -> None:
+            name = job["metadata"]["name"]
+            if kind == "DELETED":
+                self.phases.pop(name, None)
+            else:
+                self.phases[name] = (job.get("status") or {}).get("phase", "")
+
+        def list_jobs(**kw: Any) -> Any:
+            return self.custom.list_namespaced_custom_object(
+                "rljob.io", "v1alpha1", NAMESPACE, "rljobs", **kw
+            )
+
+        self._loop(list_jobs, on_job, ready)
+
+
+def wait_until(
+    what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[bytes] | None = None
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the operator exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@dataclass
+class Result:
+    label: str
+    settings: dict[str, str]
+    latencies: list[float] = field(default_factory=list)
+    missing: int = 0
+    not_running: int = 0
+    submit_s: float = 0.0
+    api_per_job: float = 0.0
+    events_per_job: float = 0.0
+    operator_calls_per_job: float = 0.0
+    by_kind: dict[tuple[str, str], float] = field(default_factory=dict)
+    idle_cpu_pct: float = 0.0
+    idle_rss_mib: float = 0.0
+    idle_api_per_s: float = 0.0
+    idle_operator_calls_per_s: float = 0.0
+    unavailable: str = ""
+
+
+# ---- one side --------------------------------------------------------------------------------------
+def run_side(side: Side, args: argparse.Namespace) -> Result:
+    result = Result(side.label, side.chart_env())
+    if side.kueue and not side.has_admission():
+        result.unavailable = "this operator has no Kueue admission step (rljob_operator/admission.py)"
+        return result
+    from kubernetes import client
 
     with LocalCluster.create() as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rljobs.rljob.io.yaml"))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
-        cluster.create_namespace(NAMESPACE)
-        t = time.monotonic()
-        cluster.add_nodes(args.nodes, name_prefix="bench", labels={"pool": "bench"})
-        print(f"registered {args.nodes} fake 8-GPU nodes in {time.monotonic() - t:.1f}s", flush=True)
-
-        env = dict(
-            os.environ,
-            KUBECONFIG=str(cluster.kubeconfig),
-            RLJOB_RECONCILE_INTERVAL_S="60",
-            RLJOB_METRICS_PORT=str(args.metrics_port),
+        # `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine.
+        wait_until(
+            "the RLJob CRD Established",
+            lambda: (
+                cluster.kubectl(
+                    "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
+                ).returncode
+                == 0
+            ),
+            120,
         )
-        argv = [sys.executable, "-m", "kopf", "run", "--standalone", "--quiet", "--namespace", NAMESPACE,
-                "-m", "rljob_operator.handlers"]  # fmt: skip
-        log = open(LOG, "w")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        api = cluster.api_client()
-        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        cluster.create_namespace(NAMESPACE)
+        labels: dict[str, str] = {}
+        if side.kueue:
+            from testenv import kueue as kueue_env
 
-        seen: dict[str, float] = {}
-        stop = threading.Event()
-        ready = threading.Event()
-
-        def watch_pods() -> None:  # first-seen time of every pod; reconnects when a stream ends
-            resource_version = None
-            while not stop.is_set():
-                try:
-                    if resource_version is None:
-                        listing = core.list_namespaced_pod(NAMESPACE)
-                        for pod in listing.items:
-                            seen.setdefault(pod.metadata.name, time.monotonic())
-                        resource_version = listing.metadata.resource_version
-                        ready.set()
-                    w = watch.Watch()
-                    for ev in w.stream(
-                        core.list_namespaced_pod,
-                        NAMESPACE,
-                        resource_version=resource_version,
-                        timeout_seconds=30,
-                    ):
-                        obj = ev["object"]
-                        if ev["type"] == "ADDED":
-                            seen.setdefault(obj.metadata.name, time.monotonic())
-                        if ev["type"] != "ERROR":
-                            resource_version = obj.metadata.resource_version
-                        if stop.is_set():
-                            w.stop()
-                except Exception:  # expired or dropped watch: list again
-                    resource_version = None
-                    time.sleep(0.2)
-
-        watcher = threading.Thread(target=watch_pods, daemon=True)
-        watcher.start()
-        ready.wait()
-        try:
-            # Warm-up: the operator is up when one job has its pods.
-            custom.create_namespaced_custom_object(
-                "rljob.io", "v1alpha1", NAMESPACE, "rljobs", rljob("warmup")
+            try:
+                kueue_env.check_mount_namespace()
+                kueue_env.start_kueue(cluster)
+            except kueue_env.KueueUnavailable as exc:
+                result.unavailable = f"Kueue cannot run here: {exc}"
+                return result
+            n = args.jobs + 1
+            queues = kueue_env.queue_manifests(
+                namespace=NAMESPACE,
+                local_queue=QUEUE,
+                quota={"nvidia.com/gpu": str(16 * n), "cpu": str(4 * n), "memory": f"{8 * n}Gi"},
             )
-            deadline = time.monotonic() + 120
-            while not {"warmup-trainer-0", "warmup-rollout-0"} <= seen.keys():
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"operator did not start; see {LOG}")
-                time.sleep(0.2)
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(queues))
+            labels = {"kueue.x-k8s.io/queue-name": QUEUE}
+        t = time.monotonic()
+        # Two more for the warm-up job, so that all N jobs fit on the M nodes.
+        cluster.add_nodes(args.nodes + 2, name_prefix="bench", labels={"pool": "bench"})
+        print(
+            f"[{side.label}] registered {args.nodes} fake 8-GPU nodes in {time.monotonic() - t:.1f}s",
+            flush=True,
+        )
+
+        proc = start_operator(cluster, side, args.metrics_port, leader_election=args.leader_election)
+        custom = client.CustomObjectsApi(cluster.api_client())
+        watcher = Watcher(cluster)
+        watcher.start()
+        try:
+            # Warm-up: the operator leads and reconciles when one job has its pods.
+            custom.create_namespaced_custom_object(
+                "rljob.io", "v1alpha1", NAMESPACE, "rljobs", rljob("warmup", labels)
+            )
+            if not wait_until(
+                "the warm-up job",
+                lambda: {"warmup-trainer-0", "warmup-rollout-0"} <= watcher.pods.keys(),
+                180,
+                proc,
+            ):
+                raise RuntimeError("the operator did not create the warm-up job's pods in 180 s")
+            wait_until("the warm-up job Running", lambda: watcher.phases.get("warmup") == "Running", 60, proc)
             time.sleep(2)
             api_before = apiserver_requests(cluster)
             op_before = operator_requests(args.metrics_port)
@@ -193,62 +397,144 @@ def main() -> int:
             for i in range(args.jobs):
                 name = f"job-{i:04d}"
                 custom.create_namespaced_custom_object(
-                    "rljob.io", "v1alpha1", NAMESPACE, "rljobs", rljob(name)
+                    "rljob.io", "v1alpha1", NAMESPACE, "rljobs", rljob(name, labels)
                 )
                 created[name] = time.monotonic()
-            submit_s = time.monotonic() - t0
+            result.submit_s = time.monotonic() - t0
             want = {f"{n}-{role}-0" for n in created for role in ("trainer", "rollout")}
-            deadline = time.monotonic() + args.timeout
-            while not want <= seen.keys() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            missing = want - seen.keys()
-            all_s = time.monotonic() - t0
-            time.sleep(5)  # let status writes and kopf's annotations settle before counting
+            wait_until("every pod", lambda: want <= watcher.pods.keys(), args.timeout, proc)
+            result.missing = len(want - watcher.pods.keys())
+            wait_until(
+                "every job Running",
+                lambda: all(watcher.phases.get(n) == "Running" for n in created),
+                args.timeout,
+                proc,
+            )
+            result.not_running = sum(1 for n in created if watcher.phases.get(n) != "Running")
+            time.sleep(5)  # the last status writes and Events settle before counting
             api_after = apiserver_requests(cluster)
             op_after = operator_requests(args.metrics_port)
+
+            # Idle: every job Running, nothing changing.
+            time.sleep(args.settle_seconds)
+            idle_api0, idle_op0 = apiserver_requests(cluster), operator_requests(args.metrics_port)
+            cpu0, w0 = cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(args.idle_seconds)
+            cpu1, w1 = cpu_seconds(proc.pid), time.monotonic()
+            idle_api1, idle_op1 = apiserver_requests(cluster), operator_requests(args.metrics_port)
+            result.idle_rss_mib = rss_mib(proc.pid)
         finally:
-            stop.set()
+            watcher.stop.set()
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-        latencies = [
-            max(seen[f"{n}-trainer-0"], seen[f"{n}-rollout-0"]) - t
-            for n, t in created.items()
-            if f"{n}-trainer-0" in seen and f"{n}-rollout-0" in seen
-        ]
-        delta = {k: api_after.get(k, 0.0) - api_before.get(k, 0.0) for k in api_after}
-        delta = {k: v for k, v in delta.items() if v > 0 and k[0] != "WATCH"}
-        client_calls = args.jobs  # this script's own RLJob creates
-        total = sum(delta.values()) - client_calls
-        op_calls = sum(op_after.values()) - sum(op_before.values())
+    result.latencies = [
+        max(watcher.pods[f"{n}-trainer-0"], watcher.pods[f"{n}-rollout-0"]) - t
+        for n, t in created.items()
+        if f"{n}-trainer-0" in watcher.pods and f"{n}-rollout-0" in watcher.pods
+    ]
+    delta = diff(api_after, api_before)
+    delta[("POST", "rljobs")] = delta.get(("POST", "rljobs"), 0.0) - args.jobs  # this client's creates
+    result.by_kind = {k: v / args.jobs for k, v in delta.items() if v > 0}
+    result.api_per_job = sum(v for k, v in delta.items() if k[1] != "events") / args.jobs
+    result.events_per_job = sum(v for k, v in delta.items() if k[1] == "events") / args.jobs
+    result.operator_calls_per_job = (op_after - op_before) / args.jobs
+    idle = diff(idle_api1, idle_api0)
+    result.idle_api_per_s = sum(idle.values()) / (w1 - w0)
+    result.idle_operator_calls_per_s = (idle_op1 - idle_op0) / (w1 - w0)
+    result.idle_cpu_pct = 100 * (cpu1 - cpu0) / (w1 - w0)
+    return result
 
-        print()
-        print("| jobs | nodes | pods | submit s | all pods s | p50 s | p99 s | max s | missing |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+# ---- report ----------------------------------------------------------------------------------------
+def report(results: list[Result], args: argparse.Namespace) -> None:
+    print()
+    print(
+        f"{args.jobs} RLJobs (2 pods of 8 GPUs each) on {args.nodes} fake 8-GPU nodes, the chart's settings"
+    )
+    print()
+    print(
+        "| operator | settings | p50 s | p99 s | max s | missing | API req/job | events/job | "
+        "operator calls/job | idle CPU % core | idle RSS MiB | idle API req/s | idle operator calls/s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(r.settings.items()))
+        if r.unavailable:
+            print(f"| {r.label} | {settings} | unavailable: {r.unavailable} |")
+            continue
+        lat = r.latencies or [float("nan")]
         print(
-            f"| {args.jobs} | {args.nodes} | {2 * args.jobs} | {submit_s:.2f} | {all_s:.2f} | "
-            f"{statistics.median(latencies):.3f} | {percentile(latencies, 0.99):.3f} | "
-            f"{max(latencies):.3f} | {len(missing)} |"
+            f"| {r.label} | {settings} | {statistics.median(lat):.3f} | {percentile(lat, 0.99):.3f} | "
+            f"{max(lat):.3f} | {r.missing} | {r.api_per_job:.2f} | {r.events_per_job:.2f} | "
+            f"{r.operator_calls_per_job:.2f} | {r.idle_cpu_pct:.1f} | {r.idle_rss_mib:.0f} | "
+            f"{r.idle_api_per_s:.2f} | {r.idle_operator_calls_per_s:.2f} |"
         )
+    for r in results:
+        if r.unavailable:
+            continue
         print()
-        print(f"operator handler API calls per job: {op_calls / args.jobs:.2f}")
-        print(
-            "apiserver requests per job on rljobs+children (excl. this client's creates): "
-            f"{total / args.jobs:.2f}"
-        )
+        print(f"{r.label}: API requests per job by verb and kind (submit {r.submit_s:.1f}s, "
+              f"{r.not_running} not Running at the end)")  # fmt: skip
         print("| verb | resource | per job |")
         print("|---|---|---:|")
-        for (verb, res), v in sorted(delta.items()):
-            if verb == "POST" and res == "rljobs":
-                v -= client_calls
-            print(f"| {verb} | {res} | {v / args.jobs:.2f} |")
-        print(json.dumps({"jobs": args.jobs, "nodes": args.nodes, "p50_s": statistics.median(latencies),
-                          "p99_s": percentile(latencies, 0.99), "api_per_job": total / args.jobs,
-                          "operator_calls_per_job": op_calls / args.jobs}))  # fmt: skip
-        return 1 if missing else 0
+        for (verb, res), v in sorted(r.by_kind.items()):
+            print(f"| {verb} | {res} | {v:.2f} |")
+    print()
+    print(json.dumps([
+        {"operator": r.label, "unavailable": r.unavailable or None, "jobs": args.jobs, "nodes": args.nodes,
+         "p50_s": statistics.median(r.latencies) if r.latencies else None,
+         "p99_s": percentile(r.latencies, 0.99) if r.latencies else None,
+         "max_s": max(r.latencies) if r.latencies else None, "api_per_job": r.api_per_job,
+         "idle_cpu_pct": r.idle_cpu_pct, "idle_rss_mib": r.idle_rss_mib, "idle_api_per_s": r.idle_api_per_s}
+        for r in results
+    ]))  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=500)
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true", help="a small run: 20 jobs on 40 nodes, 20 s idle")
+    ap.add_argument("--baseline", metavar="REF", help="also measure the operator of git commit REF (first)")
+    ap.add_argument(
+        "--kueue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure with Kueue admission",
+    )
+    ap.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as the chart runs it (default); off where a loaded machine makes the Lease renewal miss "
+        "its 10 s deadline, so the operator exits (3) mid-run",
+    )
+    ap.add_argument("--idle-seconds", type=float, default=60)
+    ap.add_argument("--settle-seconds", type=float, default=10, help="wait after all Running before idling")
+    ap.add_argument("--metrics-port", type=int, default=18080)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    # SIGTERM (a timeout) unwinds like Ctrl-C: the control planes and the operator are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick:
+        args.jobs, args.nodes, args.idle_seconds = 20, 40, 20
+
+    here = Side("this tree", REPO / "operator", REPO / "helm" / "rljob" / "values.yaml")
+    sides = [here]
+    if args.kueue:
+        sides.append(Side("this tree + Kueue", here.source, here.chart_values, kueue=True))
+    if args.baseline:  # last: this tree's figures come first if the run is cut short
+        base = extract_baseline(args.baseline)
+        sides.append(Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml"))
+    results = []
+    for side in sides:
+        results.append(run_side(side, args))
+        report(results, args)  # partial results survive a later failure
+    return 1 if any(r.missing or r.not_running for r in results) else 0
 
 
 if __name__ == "__main__":

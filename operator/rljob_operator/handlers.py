@@ -1,11 +1,16 @@
 """kopf handlers: the operator's imperative shell (all API calls go through `kube.Kube`).
 
-Role: one level-based reconcile (`_reconcile`) run on create, resume and spec update, and by the
-resync loop for every job in the RLJob index (every RLJOB_RECONCILE_INTERVAL_S, sooner when a
-reconcile asks), serialized per job by an `asyncio.Lock` keyed by `names.job_key()`. The shape is
-KubeRay's: inside the lock the RLJob is re-read, then a fixed list of steps (`STEPS`: finished?,
-plan, suspend, outcome, backoff, children, volumes, capacity, adapt, pods) runs; each step
-returns what it observed (`status.Observed`) and may stop the list; one pure
+Role: one level-based reconcile (`_reconcile`), run by the resync loop (`_resync_loop`) whenever
+a job is due, serialized per job by an `asyncio.Lock` keyed by `names.job_key()`. Reconciles are
+event-driven (`rljob_operator.resync`): a watch event on a job's RLJob, pods or telemetry
+ConfigMap, or on a node its pods use, marks the job due at once (`state.due[key]`); a reconcile
+that waits for time (a backoff, a terminating pod, a TTL, a missing object) asks for its own retry;
+every job is also reconciled every RLJOB_RECONCILE_INTERVAL_S as a safety net, with jitter. An
+idle reconcile makes no API call: the RLJob comes from the watch (or our own write's response,
+whichever is newer), the status is written only if it changed, and Events only on transitions.
+The shape is KubeRay's: inside the lock the newest RLJob is taken, then a fixed list of steps
+(`STEPS`: finished?, plan, suspend, outcome, backoff, children, volumes, capacity, adapt, pods)
+runs; each step returns what it observed (`status.Observed`) and may stop the list; one pure
 `status.compute_status` runs at the tail and the status is written once, only if it changed;
 Events follow condition transitions. Any exception in a step becomes a condition: `errors.RLJobError`
 with its own reason, anything else as `InternalError` quoting the exception, retried by the loop.
@@ -22,7 +27,8 @@ and RLJobs would then outlive an uninstalled operator.
 
 Entry point: `run_operator(namespace)` (used by `rljob operator`), or
 `kopf run --standalone -m rljob_operator.handlers [--namespace NS | -A]`.
-Environment (read once, here in the shell): `RLJOB_RECONCILE_INTERVAL_S` (resync, default 10),
+Environment (read once, here in the shell): `RLJOB_RECONCILE_INTERVAL_S` (the safety-net resync
+of every job, default 300; events and retries do not wait for it),
 `RLJOB_METRICS_PORT` (default 8080, 0 disables), `RLJOB_EVENT_INTERVAL_S` (Event rate limit, 30).
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -55,19 +62,29 @@ from rljob_operator import (
     pools,
     preemption,
     reconcile,
+    resync,
     status,
 )
+from rljob_operator.builders import podgroup
 from rljob_operator.estimator import presets
 from rljob_trainer import telemetry
 
-RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "10"))
+RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "300"))
 METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
 # A terminating pod still holds its name; check again soon rather than at the next resync.
 WAIT_FOR_TERMINATION_S = 1.0
 RETRY_INTERNAL_ERROR_S = 5.0
-RESYNC_TICK_S = 0.25  # how often the resync loop looks for due jobs
+# A job waiting for something no watch of ours sees (a ConfigMap, a claim): look again this often.
+RETRY_WAITING_S = 10.0
+# Pods and telemetry come in bursts (a gang's pods bound and started together): one reconcile,
+# and one status write instead of one per pod. RLJob changes are not delayed.
+EVENT_COALESCE_S = 0.25
+RESYNC_SCAN_PAUSE_S = 0.005
+RESYNC_MAX_SLEEP_S = 1.0  # the loop also looks for due jobs at least this often
+RESYNC_SWEEP_S = 5.0  # how often it forgets jobs gone from the index
 RESYNC_CONCURRENCY = 16
+POD_GROUP_API_REFRESH_S = 600.0  # how long the operator trusts its discovery of the PodGroup API
 
 RLJOBS = (api.GROUP, api.VERSION, api.PLURAL)
 
@@ -91,7 +108,17 @@ class State:
     caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
     events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     phases: dict[str, str] = dataclasses.field(default_factory=dict)
-    due: dict[str, float] = dataclasses.field(default_factory=dict)  # next resync, monotonic s
+    # job key -> monotonic s of its next reconcile; `due[key] = time.monotonic()`: reconcile ASAP
+    due: resync.DueTimes = dataclasses.field(default_factory=resync.DueTimes)
+    # job key -> (namespace, name), and the newest RLJob body seen (watch or our write's response)
+    jobs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    latest: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # jobs whose last reconcile waits on something (a retryable error): a node change retries them
+    waiting: set[str] = dataclasses.field(default_factory=set)
+    nodes: dict[str, reconcile.NodeObservation] = dataclasses.field(default_factory=dict)
+    # native gang scheduling: (checked at, served) of the PodGroup API; job key -> minCount created
+    pod_group_api: tuple[float, bool] | None = None
+    gangs: dict[str, int] = dataclasses.field(default_factory=dict)
     # job key -> pod name -> (attempt, why): pods seen disrupted (see rljob_pods)
     disrupted: dict[str, dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
     # job key -> pod name -> attempt: pods seen; and the names the operator deleted itself, so that
@@ -102,12 +129,40 @@ class State:
     workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)
     resync: asyncio.Task[None] | None = None
 
+    def observe_job(self, body: dict[str, Any]) -> None:
+        """A watched RLJob: keep it when it is newer than what we know, and reconcile it soon."""
+        meta = body.get("metadata") or {}
+        key = names.job_key(meta.get("namespace", ""), meta.get("name", ""))
+        self.jobs[key] = (meta.get("namespace", ""), meta.get("name", ""))
+        if self.remember(key, body):  # not the echo of our own write
+            self.due.soon(key, time.monotonic())
+
+    def remember(self, key: str, body: dict[str, Any] | None) -> bool:
+        """Keep `body` as the job's newest known version if it is newer; True when it was."""
+        if not body:
+            return False
+        known = (self.latest.get(key, {}).get("metadata") or {}).get("resourceVersion")
+        if key in self.latest and not resync.is_newer(body["metadata"].get("resourceVersion"), known):
+            return False
+        self.latest[key] = body
+        return True
+
+    def touch(self, namespace: str, job: str, delay_s: float = 0.0) -> None:
+        """Something of job `namespace/job` changed: reconcile it within `delay_s`."""
+        key = names.job_key(namespace, job)
+        if key in self.jobs:
+            self.due.soon(key, time.monotonic() + delay_s)
+
     def forget(self, key: str) -> None:
         """A deleted job: drop everything kept for it."""
         self.caches.pop(key, None)
         self.locks.pop(key, None)
         self.phases.pop(key, None)
         self.due.pop(key, None)
+        self.jobs.pop(key, None)
+        self.latest.pop(key, None)
+        self.waiting.discard(key)
+        self.gangs.pop(key, None)
         self.disrupted.pop(key, None)
         self.known.pop(key, None)
         self.deleted.pop(key, None)
@@ -136,9 +191,9 @@ async def rljob_startup(
 ) -> None:
     """All kopf settings in one place, the API client, the metrics endpoint and the resync loop."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=names.KOPF_PREFIX, key="last-handled-configuration"
-    )
+    # kopf's create/update handlers are gone (the watch events reconcile), so nothing needs the
+    # last-handled configuration: storing it would cost one RLJob PATCH per job for nothing.
+    settings.persistence.diffbase_storage = _NoDiffBase()
     # No handler needs a finalizer (there are no kopf timers or daemons, and the delete handler
     # is optional), so none is added: deleting an RLJob, or the CRD after `helm uninstall`, never
     # waits for an operator that is gone. kopf removes the finalizer older versions added.
@@ -153,6 +208,10 @@ async def rljob_startup(
     settings.execution.max_workers = kube.API_THREADS
     # First what may fail (a busy port): kopf retries the startup, which must not leave a second
     # API client or resync loop behind.
+    # kopf logs every event handler's success at INFO: one line per watch event is noise, not news.
+    quiet = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, _QuietEventHandlers) for f in quiet.filters):
+        quiet.addFilter(_QuietEventHandlers())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
     state = State(kube=kube.Kube.from_environment())
@@ -160,6 +219,33 @@ async def rljob_startup(
     # The indexes are live objects, filled by kopf's watches from now on.
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
     state.resync = asyncio.create_task(_resync_loop(state, indexes), name="rljob-resync")
+    state.resync.add_done_callback(_resync_ended)
+
+
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """A diff-base kopf never writes: no handler of ours compares an RLJob with its last version."""
+
+    def fetch(self, *, body: kopf.Body) -> None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
+class _QuietEventHandlers(logging.Filter):
+    """Drops kopf's "Handler 'rljob_..._event' succeeded." lines (the watch triggers below)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Handler 'rljob_") and message.endswith("_event' succeeded."))
+
+
+def _resync_ended(task: asyncio.Task[None]) -> None:
+    """The resync loop never ends but by cancellation: anything else is a bug, and loud."""
+    if not task.cancelled() and task.exception() is not None:
+        logging.getLogger("rljob_operator.resync").error(
+            "the resync loop crashed: no job is reconciled any more", exc_info=task.exception()
+        )
 
 
 @kopf.on.login()
@@ -182,8 +268,16 @@ async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
         state.kube.close()
 
 
-@kopf.index("pods", labels={names.LABEL_JOB: kopf.PRESENT, names.LABEL_MANAGED_BY: names.MANAGED_BY})
-def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Any:
+POD_LABELS = {names.LABEL_JOB: kopf.PRESENT, names.LABEL_MANAGED_BY: names.MANAGED_BY}
+TELEMETRY_LABELS = {names.LABEL_ROLE: names.ROLE_TELEMETRY}
+
+
+# Indexes are what a reconcile observes; the `on.event` handlers below are what makes a job due.
+# Both are coroutines: they run on the event loop, never in kopf's thread pool, so the state they
+# touch is never shared with a thread. kopf calls the event handlers only once every index is
+# filled, so no reconcile sees a half-listed cluster.
+@kopf.index("pods", labels=POD_LABELS)
+async def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> Any:
     """Pods of every job, by (namespace, job): the reconcile's view of its pods (no LIST calls).
 
     Every pod seen is remembered, with its DisruptionTarget if it has one: an eviction deletes the
@@ -202,8 +296,8 @@ def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.
     return {(namespace, labels[names.LABEL_JOB]): obs}
 
 
-@kopf.index("configmaps", labels={names.LABEL_ROLE: names.ROLE_TELEMETRY})
-def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> Any:
+@kopf.index("configmaps", labels=TELEMETRY_LABELS)
+async def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> Any:
     """The raw `reports.json` of every job's telemetry ConfigMap, by (namespace, job)."""
     job = labels.get(names.LABEL_JOB)
     if job is None:
@@ -212,7 +306,7 @@ def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: A
 
 
 @kopf.index("nodes")
-def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
+async def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
     """Every node's labels, taints and allocatable resources, for the capacity check."""
     return {"nodes": reconcile.observe_node(body)}
 
@@ -223,7 +317,9 @@ def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
     "workloads",
     labels={names.LABEL_MANAGED_BY: names.MANAGED_BY},
 )
-def rljob_workloads(event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def rljob_workloads(
+    event: kopf.RawEvent, body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
     """Kueue's Workloads of our jobs: kept in `State.workloads`, and a change (an admission, an
     eviction) reconciles the job at once. Without Kueue's CRDs kopf serves nothing here."""
     state = memo.get("rljob")
@@ -240,55 +336,70 @@ def rljob_workloads(event: kopf.RawEvent, body: kopf.Body, namespace: str, memo:
 
 
 @kopf.index(*RLJOBS)
-def rljob_jobs(namespace: str, name: str, **_: Any) -> Any:
-    """Every RLJob, by (namespace, name): what the resync loop reconciles."""
+async def rljob_jobs(namespace: str, name: str, **_: Any) -> Any:
+    """Every RLJob, by (namespace, name): which jobs exist (the resync loop forgets the others)."""
     return {(namespace, name): True}
 
 
+@kopf.on.event(*RLJOBS)
+async def rljob_job_event(event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """A new or changed RLJob (spec, labels, someone else's status write) is due at once; the echo
+    of our own status write is not (its body is already the newest we know)."""
+    state = memo.get("rljob")
+    if not isinstance(state, State):
+        return
+    if event["type"] == "DELETED":
+        state.forget(names.job_key(namespace, name))
+    else:
+        state.observe_job(copy.deepcopy(dict(event["object"])))
+
+
+@kopf.on.event("pods", labels=POD_LABELS)
+async def rljob_pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """A job's pod was created, scheduled, started, ended or deleted: reconcile the job."""
+    state = memo.get("rljob")
+    if isinstance(state, State):
+        state.touch(namespace, labels[names.LABEL_JOB], EVENT_COALESCE_S)
+
+
+@kopf.on.event("configmaps", labels=TELEMETRY_LABELS)
+async def rljob_telemetry_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """The driver wrote a SyncReport: the adaptive policy and the progress read it."""
+    state = memo.get("rljob")
+    job = labels.get(names.LABEL_JOB)
+    if isinstance(state, State) and job is not None:
+        state.touch(namespace, job, EVENT_COALESCE_S)
+
+
+@kopf.on.event("nodes")
+async def rljob_node_event(
+    event: kopf.RawEvent, body: kopf.Body, name: str, memo: kopf.Memo, rljob_pods: kopf.Index, **_: Any
+) -> None:
+    """A node appeared, went, or changed what the capacity check reads (heartbeats do not count):
+    reconcile the jobs with pods on it (a lost node) and the jobs waiting for capacity."""
+    state = memo.get("rljob")
+    if not isinstance(state, State):
+        return
+    obs = None if event["type"] == "DELETED" else reconcile.observe_node(body)
+    before = state.nodes.pop(name, None) if obs is None else state.nodes.get(name)
+    if obs is not None:
+        state.nodes[name] = obs
+    if event["type"] is None or obs == before:  # the initial listing: every job is due anyway
+        return
+    for namespace, job in [k for k, pods in rljob_pods.items() if any(p.node_name == name for p in pods)]:
+        state.touch(namespace, job)
+    for key in list(state.waiting):
+        state.due.soon(key, time.monotonic())
+
+
 # ---- the handlers --------------------------------------------------------------------------------
-def _handler_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": kwargs["name"],
-        "namespace": kwargs["namespace"],
-        "state": _state(kwargs["memo"]),
-        "logger": kwargs["logger"],
-        "pods_index": kwargs["rljob_pods"],
-        "telemetry_index": kwargs["rljob_telemetry"],
-        "nodes_index": kwargs["rljob_nodes"],
-    }
-
-
-async def _handle(cause: str, kwargs: dict[str, Any]) -> None:
-    """A kopf cause: reconcile now; the resync loop takes any retry the reconcile asks for."""
-    args = _handler_kwargs(kwargs)
-    delay = await _reconcile(cause=cause, **args)
-    key = names.job_key(args["namespace"], args["name"])
-    args["state"].due[key] = time.monotonic() + _next_s(delay)
-
-
-def _next_s(delay_s: float | None) -> float:
-    """When to resync after a reconcile that asked for `delay_s` (a retry only ever comes sooner)."""
-    return RECONCILE_INTERVAL_S if delay_s is None else min(delay_s, RECONCILE_INTERVAL_S)
-
-
-@kopf.on.create(*RLJOBS)
-async def rljob_create(**kwargs: Any) -> None:
-    await _handle("create", kwargs)
-
-
-@kopf.on.resume(*RLJOBS)
-async def rljob_resume(**kwargs: Any) -> None:
-    await _handle("resume", kwargs)
-
-
-@kopf.on.update(*RLJOBS, field="spec")
-async def rljob_update(**kwargs: Any) -> None:
-    await _handle("update", kwargs)
-
-
 @kopf.on.delete(*RLJOBS, optional=True)
 async def rljob_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    """Children go through their owner references and the garbage collector; forget our caches."""
+    """Children go through their owner references and the garbage collector; forget our caches.
+
+    (With no finalizer kopf rarely sees a deletion in progress; the DELETED event and the resync
+    loop's sweep forget the job too. This handler stays so that kopf keeps managing RLJobs'
+    finalizers: it removes the one older operator versions added.)"""
     state = memo.get("rljob")
     if isinstance(state, State):
         state.forget(names.job_key(namespace, name))
@@ -304,22 +415,25 @@ class _Indexes:
 
 
 async def _resync_loop(state: State, indexes: _Indexes) -> None:
-    """Level-based resync of every job: pod phases, failures, backoff ends, telemetry, TTL.
+    """Reconcile every job that is due (`state.due`): after an event, a retry, or the safety net.
 
-    Each job is reconciled every RLJOB_RECONCILE_INTERVAL_S, or sooner when its last reconcile
-    asked for it (a pod still terminating, a backoff ending, an internal error to retry). At most
-    `RESYNC_CONCURRENCY` reconciles run at once.
+    A job is due at once when something of it changed (the `on.event` handlers, or another step
+    setting `state.due[key]`), after the delay its last reconcile asked for (`ctx.retry`: a
+    backoff ending, a pod still terminating, a TTL), and otherwise every RLJOB_RECONCILE_INTERVAL_S
+    less a random share (`resync.next_resync_s`), so idle jobs never wake together. At most
+    `RESYNC_CONCURRENCY` reconciles run at once; the loop sleeps until the next due time or event.
     """
     log = logging.getLogger("rljob_operator.resync")
-    await asyncio.sleep(min(RECONCILE_INTERVAL_S, RESYNC_TICK_S * 4))
     limit = asyncio.Semaphore(RESYNC_CONCURRENCY)
     running: dict[str, asyncio.Task[None]] = {}
+    due = state.due
 
-    async def one(namespace: str, name: str, key: str) -> None:
+    async def one(key: str, cause: str) -> None:
+        namespace, name = state.jobs[key]
         try:
             async with limit:
-                delay = await _reconcile(
-                    cause="timer",
+                retry_s = await _reconcile(
+                    cause=cause,
                     name=name,
                     namespace=namespace,
                     state=state,
@@ -329,24 +443,35 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
                     nodes_index=indexes.nodes,
                 )
         except Exception as exc:  # the status write itself failed (API down): try again later
-            log.warning(f"resync of {key} failed: {type(exc).__name__}: {exc}")
-            delay = RECONCILE_INTERVAL_S
+            log.warning(f"reconcile of {key} failed: {type(exc).__name__}: {exc}")
+            retry_s = RETRY_WAITING_S
         finally:
             running.pop(key, None)
-        state.due[key] = time.monotonic() + _next_s(delay)
+        if key in state.jobs:
+            delay_s, why = resync.next_delay_s(retry_s, RECONCILE_INTERVAL_S)
+            due.schedule(key, time.monotonic() + delay_s, why)
 
+    last_sweep = time.monotonic()
     while True:
         now = time.monotonic()
-        present = set()
-        for namespace, name in list(indexes.jobs.keys()):
-            key = names.job_key(namespace, name)
-            present.add(key)
-            if key in running or state.due.setdefault(key, now + RECONCILE_INTERVAL_S) > now:
+        wake_at = now + RESYNC_MAX_SLEEP_S
+        for key, when in list(due.items()):
+            if key in running:
                 continue
-            running[key] = asyncio.create_task(one(namespace, name, key), name=f"rljob-resync-{key}")
-        for key in set(state.due) - present - set(running):
-            state.forget(key)
-        await asyncio.sleep(RESYNC_TICK_S)
+            if when <= now and key in state.jobs:
+                cause = due.causes.get(key, resync.EVENT)
+                due.running(key)
+                running[key] = asyncio.create_task(one(key, cause), name=f"rljob-reconcile-{key}")
+            else:
+                wake_at = min(wake_at, when)
+        if now - last_sweep >= RESYNC_SWEEP_S:
+            last_sweep = now
+            present = {names.job_key(namespace, name) for namespace, name in indexes.jobs}
+            for key in (set(state.jobs) | set(due)) - present - set(running):
+                state.forget(key)
+        # A short pause first: events come in bursts, and one scan serves them all.
+        await asyncio.sleep(RESYNC_SCAN_PAUSE_S)
+        await due.wait(wake_at - time.monotonic())
 
 
 # ---- reconcile -----------------------------------------------------------------------------------
@@ -367,9 +492,14 @@ async def _reconcile(
     started = time.monotonic()
     try:
         async with lock:
-            # Re-read inside the lock: the body kopf passed may predate the status another
-            # reconcile of this job just wrote (restarts, adaptive targets), and must not undo it.
-            body = await state.kube.read_rljob(namespace, name)
+            # The newest RLJob we know, taken inside the lock: the watch's copy or the response to
+            # this job's last status write, whichever is newer (`State.remember`), so a lagging
+            # watch event never undoes a status just written (restarts, adaptive targets). Only a
+            # job never seen is read.
+            body = state.latest.get(key)
+            if body is None:
+                body = await state.kube.read_rljob(namespace, name)
+                state.remember(key, body)
             if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
                 return None
             raw_status = dict(body.get("status") or {})
@@ -389,6 +519,10 @@ async def _reconcile(
                 now=datetime.now(timezone.utc).replace(microsecond=0),
             )
             observed = await _run_steps(ctx)
+            if observed.error is not None and status.is_retryable(observed.error):
+                state.waiting.add(key)
+            else:
+                state.waiting.discard(key)
             try:
                 await _write_status(ctx, observed)
             finally:
@@ -449,8 +583,10 @@ async def _run_steps(ctx: _Ctx) -> status.Observed:
         try:
             seen, stop = await step(ctx, seen)
         except (errors.RLJobError, pydantic.ValidationError) as exc:
-            # Retryable ones (a ConfigMap, a claim or nodes that may appear) wait for the next
-            # resync; the others for a new generation of the spec.
+            # Retryable ones (a ConfigMap, a claim or nodes that may appear) are looked at again
+            # soon (nodes also retry them when they change); the others wait for a new generation.
+            if status.is_retryable(exc):
+                ctx.retry(RETRY_WAITING_S, f"{_step_label(step)}: {status.reason_for(exc)}")
             return dataclasses.replace(seen, error=exc)
         except Exception as exc:
             ctx.logger.exception(f"reconcile step {step.__name__} failed")
@@ -485,9 +621,13 @@ async def _step_finished(ctx: _Ctx, seen: status.Observed) -> tuple[status.Obser
     await _finish_workloads(ctx)
     ttl = ctx.raw_spec.get("ttlSecondsAfterFinished")
     done = ctx.old.completion_time
-    if isinstance(ttl, int) and done is not None and done.timestamp() + ttl <= ctx.now.timestamp():
-        _post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
-        await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+    if isinstance(ttl, int) and done is not None:
+        left_s = done.timestamp() + ttl - ctx.now.timestamp()
+        if left_s <= 0:
+            _post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
+            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+        else:
+            ctx.retry(left_s, f"ttlSecondsAfterFinished ends in {left_s:.0f}s")
     return dataclasses.replace(seen, finished=True), True
 
 
@@ -655,7 +795,7 @@ async def _step_adapt(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed
 
 
 async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Delete the stale pods, create the missing ones in index order (trainer 0 first)."""
+    """Delete the stale pods, create the missing ones (all at once; the Event lists them in order)."""
     spec = _spec_of(seen)
     assert seen.layout is not None
     desired = builders.build_pods(
@@ -668,19 +808,73 @@ async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed,
             else d
             for d in desired
         ]
+    if seen.gang is not None and seen.gang[0]:  # members join the job's PodGroup (`_step_gang`)
+        assert seen.plan is not None
+        desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
     diff = reconcile.diff_pods(desired, ctx.pods, ctx.attempt)
     await _delete_pods(ctx, diff.delete, why="stale")
-    created = []
     for pod in diff.create:
         kopf.adopt(pod, owner=ctx.body)
-        if await ctx.state.kube.create(pod):
+    # Independent objects (each create idempotent): one round trip for all, not one per pod.
+    made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in diff.create))
+    created = []
+    for pod, new in zip(diff.create, made, strict=True):
+        if new:
             metrics.PODS_CREATED.labels(pod["metadata"]["labels"][names.LABEL_ROLE]).inc()
             created.append(pod["metadata"]["name"])
     if created:
+        ctx.logger.info(f"reconciled {ctx.key}: created pods {', '.join(created)}")
         _post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
     if diff.waiting:
         ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
     return dataclasses.replace(seen, waiting=diff.waiting + tuple(created)), False
+
+
+# ---- native gang scheduling (the pure part: builders.podgroup) -----------------------------------
+async def _step_gang(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Where the apiserver serves PodGroups, the job's core (trainer pods plus the minimum rollout
+    pods) is one PodGroup, so the scheduler binds all of it or none; elsewhere pods schedule one by
+    one, and the GangScheduling condition says why."""
+    if not await _pod_groups_served(ctx.state.kube, ctx.state):
+        why = (
+            f"the apiserver does not serve {podgroup.API_VERSION} PodGroups (Kubernetes 1.37 with "
+            "the GenericWorkload feature gate and that API enabled): pods are scheduled one by one"
+        )
+        return dataclasses.replace(seen, gang=(False, "PodGroupAPIUnavailable", why)), False
+    spec = _spec_of(seen)
+    assert seen.plan is not None and seen.layout is not None
+    gang = podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout)
+    kube_ = ctx.state.kube
+    if ctx.state.gangs.get(ctx.key) != gang.min_count:
+        group = podgroup.build_pod_group(
+            ctx.job, min_count=gang.min_count, priority_class_name=spec.trainer_pool.priority_class_name
+        )
+        kopf.adopt(group, owner=ctx.body)
+        if not await kube_.create(group):  # it exists: from before a restart, or an older spec
+            stored = podgroup.min_count_of(await kube_.read_pod_group(ctx.job.namespace, gang.group))
+            if stored not in (None, gang.min_count):
+                # A PodGroup's gang is fixed once made: replace it (bound pods stay where they are).
+                await kube_.delete_pod_group(ctx.job.namespace, gang.group)
+                ctx.retry(
+                    WAIT_FOR_TERMINATION_S, f"PodGroup {gang.group} is replaced (minCount {gang.min_count})"
+                )
+                why = f"PodGroup {gang.group} is replaced: minCount {stored}, the job's is {gang.min_count}"
+                return dataclasses.replace(seen, gang=(False, "PodGroupReplaced", why)), True
+        ctx.state.gangs[ctx.key] = gang.min_count
+    message = (
+        f"PodGroup {gang.group}: {', '.join(sorted(gang.members))} are scheduled all together or "
+        f"not at all (minCount {gang.min_count})"
+    )
+    return dataclasses.replace(seen, gang=(True, "PodGroupCreated", message)), False
+
+
+async def _pod_groups_served(kube_: kube.Kube, state: State) -> bool:
+    """Discovery of the PodGroup API, cached for POD_GROUP_API_REFRESH_S (it changes with an upgrade)."""
+    now = time.monotonic()
+    if state.pod_group_api is None or now - state.pod_group_api[0] >= POD_GROUP_API_REFRESH_S:
+        served = await kube_.serves(podgroup.API_VERSION, "podgroups")
+        state.pod_group_api = (now, served)
+    return state.pod_group_api[1]
 
 
 # ---- Kueue admission (the pure part: rljob_operator.admission) -----------------------------------
@@ -894,6 +1088,7 @@ STEPS: tuple[Step, ...] = (
     _step_capacity,
     _step_adapt,
     _step_admission,
+    _step_gang,
     _step_pods,
 )
 
@@ -1038,7 +1233,7 @@ async def _write_status(ctx: _Ctx, observed: status.Observed) -> None:
     new = status.compute_status(ctx.old, observed, generation=ctx.generation, now=ctx.now)
     patch = status.status_patch(ctx.old_raw, new)
     if patch is not None:
-        await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch)
+        ctx.state.remember(ctx.key, await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch))
         known = {c.type for c in ctx.old.conditions}
         for cond in status.transitions(ctx.old.conditions, new.conditions):
             kind = status.event_type(cond)

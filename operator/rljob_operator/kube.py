@@ -18,10 +18,11 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from rljob_operator import api, kubeclient, metrics
-from rljob_operator.builders import workload
+from rljob_operator.builders import podgroup, workload
 
 API_THREADS = 16
 KUEUE_GROUP, KUEUE_VERSION = workload.GROUP, workload.VERSION
+POD_GROUP_API = podgroup.API_VERSION  # native gang scheduling (Kubernetes 1.37, GenericWorkload)
 
 
 class Kube:
@@ -46,6 +47,7 @@ class Kube:
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "Event": self.core.create_namespaced_event,
             "Workload": self._create_workload,
+            "PodGroup": self._create_pod_group,
         }
         self.scheduling = kubernetes.client.SchedulingV1Api(client)
 
@@ -122,8 +124,9 @@ class Kube:
             {"data": obj["data"]},
         )
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self.call(
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch the RLJob's status; returns the RLJob as stored after the patch."""
+        return await self.call(
             "patch",
             "RLJob",
             self.custom.patch_namespaced_custom_object_status,
@@ -235,6 +238,47 @@ class Kube:
             force=True,
             _content_type="application/apply-patch+yaml",
         )
+
+    async def serves(self, group_version: str, plural: str) -> bool:
+        """Whether the apiserver serves `plural` in `group_version` (discovery; 404: not served)."""
+
+        try:
+            group, version = group_version.split("/")
+            found = await self.call("get", "APIResourceList", self.custom.get_api_resources, group, version)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
+
+    def _create_pod_group(self, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        group, version = POD_GROUP_API.split("/")
+        return self.custom.create_namespaced_custom_object(
+            group, version, namespace, "podgroups", body, **kwargs
+        )
+
+    async def read_pod_group(self, namespace: str, name: str) -> dict[str, Any] | None:
+        group, version = POD_GROUP_API.split("/")
+        return await self._read(
+            "PodGroup", self.custom.get_namespaced_custom_object, group, version, namespace, "podgroups", name
+        )
+
+    async def delete_pod_group(self, namespace: str, name: str) -> None:
+        group, version = POD_GROUP_API.split("/")
+        try:
+            await self.call(
+                "delete",
+                "PodGroup",
+                self.custom.delete_namespaced_custom_object,
+                group,
+                version,
+                namespace,
+                "podgroups",
+                name,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     async def read_pvc(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await self._read(

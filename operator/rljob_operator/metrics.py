@@ -15,7 +15,7 @@ REGISTRY = prometheus_client.CollectorRegistry(auto_describe=True)
 
 RECONCILE_SECONDS = prometheus_client.Histogram(
     "rljob_operator_reconcile_duration_seconds",
-    "Time one reconcile of one RLJob took, by cause (create, resume, update, timer).",
+    "Time one reconcile of one RLJob took, by cause (event, retry, resync).",
     ["cause"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,

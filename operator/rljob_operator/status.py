@@ -46,9 +46,20 @@ SUSPENDED = "Suspended"
 RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
+GANG_SCHEDULING = "GangScheduling"
 ADMITTED = "Admitted"
 PREEMPTED = "Preempted"
-CONDITION_TYPES = (PLANNED, READY, SUSPENDED, RESTARTING, COMPLETE, FAILED, ADMITTED, PREEMPTED)
+CONDITION_TYPES = (
+    PLANNED,
+    READY,
+    SUSPENDED,
+    RESTARTING,
+    COMPLETE,
+    FAILED,
+    ADMITTED,
+    PREEMPTED,
+    GANG_SCHEDULING,
+)
 RESTART_AFTER_DISRUPTION = "Disrupted"
 RESTART_AFTER_FAILURE = "PodFailed"
 FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
@@ -98,6 +109,7 @@ class Observed:
     - restart_wait_s: a restart's backoff is still running (seconds left).
     - pods: the pods of the attempt in force; waiting: names still terminating.
     - rollout: adaptive targets decided by this reconcile (persisted with the status).
+    - gang: the GangScheduling condition (status, reason, message): a PodGroup, or why none.
     - queue: Kueue admission of a job labelled kueue.x-k8s.io/queue-name (None: not queued by
       Kueue); while `queue.admitted` is False the job is Queued and has no pods. placements: for
       each pod Kueue admitted, the nodeLabels and tolerations of its flavors (the pods step applies them).
@@ -117,6 +129,7 @@ class Observed:
     waiting: tuple[str, ...] = ()
     report: SyncReport | None = None
     rollout: api.RolloutStatus | None = None
+    gang: tuple[bool, str, str] | None = None
     queue: api.QueueStatus | None = None
     placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
     preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
@@ -282,6 +295,8 @@ def compute_status(
         return new
 
     put(PLANNED, True, "PlanComputed", _plan_message(plan))
+    if observed.gang is not None:
+        put(GANG_SCHEDULING, *observed.gang)
     suspended = observed.suspended
     put(
         SUSPENDED,

@@ -55,6 +55,7 @@ NAMESPACED_RULES: Rules = {
     (RBAC_GROUP, "rolebindings"): {"create"},
     ("", "events"): {"create"},
     ("", "persistentvolumeclaims"): {"get"},
+    ("scheduling.k8s.io", "podgroups"): {"get", "create", "delete"},
     ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "delete"},
     ("kueue.x-k8s.io", "workloads/status"): {"patch"},
 }

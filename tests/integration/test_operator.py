@@ -157,6 +157,10 @@ def test_rljob_becomes_placed_pods_with_owner_refs_and_status(
         )
         assert condition(st, "Ready")["status"] == "True"
         assert condition(st, "Planned")["status"] == "True"
+        # This control plane serves no PodGroups (GenericWorkload is off): the status says so.
+        gang = condition(st, "GangScheduling")
+        assert (gang["status"], gang["reason"]) == ("False", "PodGroupAPIUnavailable")
+        assert "scheduling.k8s.io/v1beta1" in gang["message"]
         assert st["observedGeneration"] == job["metadata"]["generation"]
         assert st["plan"]["trainerAccelerators"] == 16 and st["rollout"]["enginesAwakeTotal"] == "1/1"
         printed = cluster.kubectl("get", "rljobs", "-n", namespace).stdout
@@ -327,6 +331,63 @@ def test_pod_failure_restarts_with_backoff_then_fails_at_the_limit(
             "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=rst"
         ).stdout
         assert "BackoffLimitExceeded" in events
+
+
+def _api_requests() -> float:
+    from rljob_operator import metrics
+
+    return sum(
+        sample.value
+        for family in metrics.API_REQUESTS.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def _reconciles() -> float:
+    from rljob_operator import metrics
+
+    return sum(
+        sample.value
+        for family in metrics.RECONCILE_SECONDS.collect()
+        for sample in family.samples
+        if sample.name.endswith("_count")
+    )
+
+
+def test_reconciles_follow_events_not_the_timer_and_an_idle_one_calls_no_api(
+    cluster: Any,
+    crd: None,
+    namespace: str,
+    pool: Callable[..., str],
+    kubeconfig_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the safety-net resync an hour away, pods running and a pod's failure still reach the
+    status within seconds (watch events reconcile the job); and a reconcile with nothing to do
+    (an RLJob label changed) makes no API call at all: no re-read, no status write, no Event."""
+    from rljob_operator import handlers
+
+    monkeypatch.setattr(handlers, "RECONCILE_INTERVAL_S", 3600.0)
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("quiet", pool_name))
+        wait_for("3 running pods", running_pods(cluster, namespace, "quiet", 3))
+        wait_for(
+            "phase Running", lambda: job_status(cluster, namespace, "quiet").get("phase") == "Running", 30
+        )
+        time.sleep(2)  # the last status write's echo
+        calls, reconciles = _api_requests(), _reconciles()
+        cluster.kubectl("label", "rljob", "quiet", "-n", namespace, "touched=yes")
+        wait_for("a reconcile of the relabelled job", lambda: _reconciles() > reconciles, 30)
+        time.sleep(3)
+        assert _api_requests() == calls, "an idle reconcile called the API"
+        cluster.fail_pod(namespace, "quiet-trainer-1", exit_code=1)
+        wait_for(
+            "the failure in the status",
+            lambda: (job_status(cluster, namespace, "quiet").get("failures") or 0) >= 1,
+            30,
+        )
 
 
 def test_success_then_ttl_deletes_the_job(

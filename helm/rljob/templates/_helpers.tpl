@@ -56,9 +56,9 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 */}}
 {{- define "rljob.namespacedRules" -}}
 # RLJobs: kopf lists and watches them and patches its annotations and finalizer; the TTL after a
-# finished job deletes it. `get`: every reconcile re-reads its RLJob inside the job's lock (so a
-# stale watch body never overwrites the status), and every job's Role grants `get` on its RLJob,
-# which RBAC escalation prevention lets the operator grant only because it holds it itself.
+# finished job deletes it. `get`: a job the watch has not delivered yet is read once, and every
+# job's Role grants `get` on its RLJob, which RBAC escalation prevention lets the operator grant
+# only because it holds it itself.
 - apiGroups: [rljob.io]
   resources: [rljobs]
   verbs: [get, list, watch, patch, delete]
@@ -102,6 +102,12 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get]
+# Native gang scheduling where the apiserver serves scheduling.k8s.io/v1beta1 (Kubernetes 1.37,
+# GenericWorkload): a job's PodGroup is created before its pods, read back after an operator
+# restart, and replaced (deleted) when the job's minCount changes. Never patched.
+- apiGroups: [scheduling.k8s.io]
+  resources: [podgroups]
+  verbs: [get, create, delete]
 # Events on RLJobs (kopf.event / kopf.warn post core/v1 Events; never patched).
 - apiGroups: [""]
   resources: [events]

@@ -11,10 +11,12 @@ reference.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
-from rljob_operator import names
-from rljob_operator.builders.common import JobRef, deep_copy
+from rljob_operator import api, names
+from rljob_operator.builders.common import JobLayout, JobRef, compute_layout, deep_copy
 
 API_VERSION = "scheduling.k8s.io/v1beta1"
 KIND = "PodGroup"
@@ -43,6 +45,40 @@ def build_pod_group(job: JobRef, *, min_count: int, priority_class_name: str | N
         },
         "spec": spec,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Gang:
+    """A job's gang: the PodGroup's name, its `min_count` and the pods that belong to it."""
+
+    group: str
+    min_count: int
+    members: frozenset[str]
+
+
+def job_gang(job: JobRef, spec: api.RLJobSpec, plan: api.PlanStatus, layout: JobLayout) -> Gang:
+    """The job's core as one gang: every trainer pod plus the plan's dedicated rollout pods (the
+    minimum; fewer when the adaptive policy lowered the target below it). Rollout pods the policy
+    adds beyond the plan schedule on their own: the job runs without them."""
+    core = compute_layout(spec, plan)
+    rollouts = min(core.rollout_pods, layout.rollout_pods)
+    members = [names.trainer_pod_name(job.name, i) for i in range(layout.trainer_pods)]
+    members += [names.rollout_pod_name(job.name, j) for j in range(rollouts)]
+    return Gang(names.pod_group_name(job.name), len(members), frozenset(members))
+
+
+def with_gang(pods: Sequence[dict[str, Any]], gang: Gang) -> list[dict[str, Any]]:
+    """`pods` with the gang's members in its PodGroup (copies; the others unchanged)."""
+    return [
+        with_scheduling_group(p, gang.group) if p["metadata"]["name"] in gang.members else p for p in pods
+    ]
+
+
+def min_count_of(group: dict[str, Any] | None) -> int | None:
+    """The `minCount` of a stored PodGroup (None when absent or not a gang)."""
+    policy = ((group or {}).get("spec") or {}).get("schedulingPolicy") or {}
+    value = (policy.get("gang") or {}).get("minCount")
+    return value if isinstance(value, int) else None
 
 
 def with_scheduling_group(pod: dict[str, Any], pod_group_name: str) -> dict[str, Any]:

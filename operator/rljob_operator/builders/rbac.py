@@ -90,6 +90,8 @@ def operator_rules() -> list[dict[str, Any]]:
       Creating a Role requires holding its rules, which the configmaps/rljobs grants cover.
     - nodes: read-only, to check that the node pool can hold the plan.
     - persistentvolumeclaims: get, to report a missing claim or one the pods cannot share.
+    - podgroups (scheduling.k8s.io, where served): a job's gang, created once, replaced when its
+      minCount changes.
     - events: kopf posts Events on transitions.
     - kopf peering and CRD/namespace discovery.
     - Kueue (kueue.x-k8s.io): the job's Workloads (created, watched, deleted when an extra engine
@@ -107,6 +109,7 @@ def operator_rules() -> list[dict[str, Any]]:
         _rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], rw),
         _rule("", ["nodes"], read),
         _rule("", ["persistentvolumeclaims"], ["get"]),
+        _rule("scheduling.k8s.io", ["podgroups"], ["get", "create", "delete"]),
         _rule("", ["events"], ["create", "patch"]),
         _rule("events.k8s.io", ["events"], ["create", "patch"]),
         _rule("", ["namespaces"], read),

@@ -1,0 +1,127 @@
+"""When each job is reconciled next: due times, wake-ups, the safety-net spread and object freshness.
+
+Role: the scheduling core of the operator's resync loop (`handlers._resync_loop`). Reconciles are
+event-driven: a watch event on a job's RLJob, pods, telemetry ConfigMap or nodes marks the job
+due at once (`DueTimes.soon`), a reconcile that waits for time (a backoff, a terminating pod, a
+TTL) asks for its own retry, and the periodic resync is only a slow safety net, spread with
+jitter so that hundreds of idle jobs never wake together. No API calls here; the only impurity is
+the asyncio wake-up, which is what lets `state.due[key] = time.monotonic()` (the contract other
+steps use to trigger a reconcile) take effect at once instead of at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+
+#: Why a job is due: a watch event or another component (`event`), the job's own retry (`retry`),
+#: or the safety-net period (`resync`). The reconcile-latency metric is labelled with it.
+Cause = str
+EVENT, RETRY, RESYNC = "event", "retry", "resync"
+#: The share of the safety-net period drawn at random, so jobs created together drift apart.
+JITTER = 0.2
+#: A job being reconciled right now is due "never" until its reconcile ends (`DueTimes.running`).
+RUNNING = math.inf
+
+
+class DueTimes(dict[str, float]):
+    """Job key -> monotonic time its next reconcile is due; setting a time wakes the loop.
+
+    Setting `due[key]` from outside (`due[key] = time.monotonic()`) is an event: the loop
+    reconciles the job as soon as possible, also when it is running right now (then once more
+    right after). `schedule` is the loop's own bookkeeping after a reconcile; it never pushes back
+    an earlier time somebody asked for while the reconcile ran.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.causes: dict[str, Cause] = {}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __setitem__(self, key: str, when: float) -> None:
+        super().__setitem__(key, when)
+        self.causes[key] = EVENT
+        self._notify()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.causes.pop(key, None)
+
+    def pop(self, key: str, *default: float) -> float:  # type: ignore[override]
+        self.causes.pop(key, None)
+        return super().pop(key, *default)
+
+    def soon(self, key: str, when: float) -> None:
+        """Due at `when` at the latest (an earlier due time stays)."""
+        if when < self.get(key, math.inf):  # RUNNING is infinite: a running job runs again
+            self[key] = when
+
+    def running(self, key: str) -> None:
+        """The loop started reconciling `key`: not due again until `schedule` (or an event)."""
+        super().__setitem__(key, RUNNING)
+
+    def schedule(self, key: str, when: float, cause: Cause) -> None:
+        """After a reconcile: next due at `when`, unless an event asked for earlier meanwhile."""
+        current = self.get(key, RUNNING)
+        if current != RUNNING and current <= when:
+            return  # an event during the reconcile: it runs again first
+        super().__setitem__(key, when)
+        self.causes[key] = cause
+        self._notify()
+
+    def _notify(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return  # the loop has not started waiting yet; it scans everything when it does
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._wake.set()
+        else:  # a thread (a sync handler): asyncio objects are not thread-safe
+            loop.call_soon_threadsafe(self._wake.set)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Sleep until a due time is set or `timeout_s` passes; then the caller scans again."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._wake.clear()
+
+
+def next_resync_s(interval_s: float, rand: Callable[[], float] = random.random) -> float:
+    """The safety-net delay: `interval_s` minus up to `JITTER` of it, drawn at random."""
+    return interval_s * (1.0 - JITTER * rand())
+
+
+def next_delay_s(
+    retry_s: float | None, interval_s: float, rand: Callable[[], float] = random.random
+) -> tuple[float, Cause]:
+    """When to reconcile again after a reconcile that asked for `retry_s` (None: nothing to wait for)."""
+    if retry_s is None or retry_s >= interval_s:
+        return next_resync_s(interval_s, rand), RESYNC
+    return retry_s, RETRY
+
+
+def is_newer(candidate: str | None, known: str | None) -> bool:
+    """Whether an object at resourceVersion `candidate` is newer than the copy at `known`.
+
+    The watch and our own writes' responses both bring versions of an RLJob; the operator keeps
+    the newest, so a watch event that lags behind our own status write never rolls it back. etcd's
+    resourceVersions are revisions, increasing integers, and compared as such; versions that are
+    not integers are opaque, and then whatever differs counts as newer (the watch is the truth).
+    """
+    if known is None:
+        return True
+    if candidate is None or candidate == known:
+        return False
+    if candidate.isdigit() and known.isdigit():
+        return int(candidate) > int(known)
+    return True
