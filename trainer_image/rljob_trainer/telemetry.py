@@ -55,6 +55,21 @@ class SyncReport(BaseModel):
     export_path: str | None = Field(
         None, alias="exportPath", description="Newest Hugging Face export (rljob_trainer.export), if any."
     )
+    released_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="releasedRolloutPods",
+        description="Rollout pod indices the driver holds no engine and no request on after a lowered "
+        "dedicated target (the drain acknowledgement: the operator may delete them).",
+    )
+    lost_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="lostRolloutPods",
+        description="Rollout pod indices whose engine the driver dropped since the previous report because "
+        "it died or hung past rollout.engineTimeoutS (the operator recreates only those pods).",
+    )
+    staleness_max: int = Field(
+        0, alias="stalenessMax", ge=0, description="Most weight updates a trained sample was behind."
+    )
 
     @property
     def mean_busy(self) -> float:
