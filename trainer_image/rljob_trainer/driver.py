@@ -387,7 +387,7 @@ class GRPODriver:
             for n in waking:
                 self.engines[n].asleep = False
         for name, eng in self.engines.items():
-            awake = not eng.colocated or name in serving
+            awake = (not eng.colocated and not eng.draining) or name in serving
             if eng.awake != awake:
                 eng.awake = awake
                 self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
