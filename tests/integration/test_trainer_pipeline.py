@@ -60,12 +60,12 @@ class HangOnceHost(runtimes.Host):
         return super().call(method, *args, **kwargs)
 
 
-@pytest.fixture
-def ray_driver(request: pytest.FixtureRequest) -> Iterator[driver.GRPODriver]:
+@pytest.fixture(scope="module")
+def ray_node() -> Iterator[None]:
+    """One private Ray node for the module (starting one is the slow, load-sensitive part), with
+    the markers of two rollout pods."""
     ray = pytest.importorskip("ray")
-    param = dict(getattr(request, "param", {}))
-    host_cls = param.pop("host_cls", None)
-    cfg = _cfg(**param)
+    cfg = _cfg(dedicatedEngines=2)
     for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
         try:
             entry._start_ray_driver(cfg, {}, cfg.rollout.max_dedicated_engines)
@@ -74,13 +74,27 @@ def ray_driver(request: pytest.FixtureRequest) -> Iterator[driver.GRPODriver]:
             ray.shutdown()
             if attempt == 2:
                 raise
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_driver(request: pytest.FixtureRequest, ray_node: None) -> Iterator[driver.GRPODriver]:
+    import ray
+
+    param = dict(getattr(request, "param", {}))
+    host_cls = param.pop("host_cls", None)
+    cfg = _cfg(**param)
     d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg, host_cls=host_cls))
     try:
         d.setup()
         yield d
     finally:
         d.shutdown()
-        ray.shutdown()
+        for eng in d.engines.values():  # the next test starts from an empty node
+            ray.kill(eng.handle)
+        for rank in d.ranks:
+            ray.kill(rank)
 
 
 def test_dedicated_engines_generate_ahead_within_the_staleness_bound(ray_driver: driver.GRPODriver) -> None:
