@@ -13,6 +13,7 @@ engine's gloo group, and the node advertises `rljob_rollout_<j>` for every simul
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -46,6 +47,13 @@ def _cfg(**rollout: Any) -> Any:
 # Ray's workers inherit this process's environment when the node starts, so the hosts find the marker.
 HANG_MARKER = Path(tempfile.gettempdir()) / f"rljob-test-hang-{os.getpid()}"
 os.environ["RLJOB_TEST_HANG_MARKER"] = str(HANG_MARKER)
+
+
+def _ship_this_module_by_value() -> None:
+    """Ray workers cannot import this test module: pickle its classes (HangOnceHost) by value."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class HangOnceHost(runtimes.Host):
@@ -84,6 +92,8 @@ def ray_driver(request: pytest.FixtureRequest, ray_node: None) -> Iterator[drive
 
     param = dict(getattr(request, "param", {}))
     host_cls = param.pop("host_cls", None)
+    if host_cls is not None:
+        _ship_this_module_by_value()
     cfg = _cfg(**param)
     d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg, host_cls=host_cls))
     try:
