@@ -435,8 +435,7 @@ class GRPOSpec(_Spec):
         1,
         ge=1,
         le=64,
-        description="Passes over the step's mini-batches (updates per step: miniBatchesPerStep x "
-        "ppoEpochs).",
+        description="Passes over the step's mini-batches (updates per step: miniBatchesPerStep x ppoEpochs).",
     )
     learning_rate: float = Field(1.0e-6, gt=0.0, le=1.0, description="Peak learning rate of AdamW.")
     clip_ratio_low: float = Field(
@@ -467,6 +466,23 @@ class GRPOSpec(_Spec):
         1.0, ge=0.0, le=1.0e6, description="Max global gradient norm; 0 disables clipping."
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of data order, sampling and initialisation.")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Bounded staleness of the rollout pipeline: 0 is synchronous (generate, then train); N "
+        "lets dedicated rollout engines generate up to N steps ahead while the trainer trains, and no "
+        "sample more than N weight updates old is trained on (1 = one-step-off). Engines colocated with "
+        "training always stay synchronous. Default: 1 when the job can have dedicated engines, else 0.",
+    )
+    tis_cap: float = Field(
+        2.0,
+        ge=0.0,
+        le=1000.0,
+        description="Off-policy correction when maxStaleness > 0: truncated importance sampling, each "
+        "token's loss weighted by min(pi_trainer / pi_rollout, tisCap) with the engine's log-probs "
+        "(verl's TIS); 0 disables it.",
+    )
 
 
 class LengthsSpec(_Spec):
@@ -784,6 +800,9 @@ class StaticSplitSpec(_Spec):
     )
 
 
+WeightSyncMode = Literal["collective", "objectStore"]
+
+
 class RolloutSpec(_Spec):
     """Rollout (vLLM) engine settings; unset numbers are chosen by the estimator."""
 
@@ -836,6 +855,19 @@ class RolloutSpec(_Spec):
         description="vLLM sleep mode for engines colocated with training: they sleep (level 2) while the "
         "trainer trains and reload weights when they wake. false: they never sleep, and stay awake "
         "beside the trainer.",
+    )
+    engine_timeout_seconds: float = Field(
+        600.0,
+        gt=0.0,
+        le=86400.0,
+        description="A dedicated rollout engine whose generate or weight-sync call runs longer than this is "
+        "taken as hung: the driver drops it, requeues its requests and reports its pod lost.",
+    )
+    weight_sync: WeightSyncMode = Field(
+        "collective",
+        description="How new weights reach rollout engines: collective (one torch.distributed group per "
+        "engine, bucketed broadcast: gloo on CPU, NCCL on GPU, HCCL on Ascend) or objectStore (the "
+        "fallback: one whole-model dict through Ray's object store).",
     )
 
 

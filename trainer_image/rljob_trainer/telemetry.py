@@ -64,6 +64,21 @@ class SyncReport(BaseModel):
     checkpoint_ack_step: int | None = Field(
         None, alias="checkpointAckStep", ge=0, description="Step of the checkpoint saved for checkpointAck."
     )
+    released_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="releasedRolloutPods",
+        description="Rollout pod indices the driver holds no engine and no request on after a lowered "
+        "dedicated target (the drain acknowledgement: the operator may delete them).",
+    )
+    lost_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="lostRolloutPods",
+        description="Rollout pod indices whose engine the driver dropped since the previous report because "
+        "it died or hung past rollout.engineTimeoutS (the operator recreates only those pods).",
+    )
+    staleness_max: int = Field(
+        0, alias="stalenessMax", ge=0, description="Most weight updates a trained sample was behind."
+    )
 
     @property
     def mean_busy(self) -> float:
