@@ -55,6 +55,18 @@ class SyncReport(BaseModel):
     export_path: str | None = Field(
         None, alias="exportPath", description="Newest Hugging Face export (rljob_trainer.export), if any."
     )
+    released_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="releasedRolloutPods",
+        description="Rollout pod indices the driver holds no engine and no request on after a lowered "
+        "dedicated target (the drain acknowledgement the operator deletes the pod on).",
+    )
+    lost_rollout_pods: list[int] = Field(
+        default_factory=list,
+        alias="lostRolloutPods",
+        description="Rollout pod indices whose engine the driver dropped since the last report (died, or "
+        "hung past engineTimeoutSeconds); the operator recreates only those pods.",
+    )
 
     @property
     def mean_busy(self) -> float:
