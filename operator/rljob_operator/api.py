@@ -467,6 +467,23 @@ class GRPOSpec(_Spec):
         1.0, ge=0.0, le=1.0e6, description="Max global gradient norm; 0 disables clipping."
     )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of data order, sampling and initialisation.")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Bounded staleness of the rollout pipeline: 0 is synchronous (generate, then train); N "
+        "lets dedicated rollout engines generate up to N steps ahead while the trainer trains, and no "
+        "sample more than N weight updates old is trained on (1 = one-step-off). Engines colocated with "
+        "training always stay synchronous. Default: 1 when the job can have dedicated engines, else 0.",
+    )
+    tis_cap: float = Field(
+        2.0,
+        ge=0.0,
+        le=1000.0,
+        description="Off-policy correction when maxStaleness > 0: truncated importance sampling, each "
+        "token's loss weighted by min(pi_trainer / pi_rollout, tisCap) with the engine's log-probs "
+        "(verl's TIS); 0 disables it.",
+    )
 
 
 class LengthsSpec(_Spec):
@@ -784,6 +801,9 @@ class StaticSplitSpec(_Spec):
     )
 
 
+WeightSyncMode = Literal["collective", "objectStore"]
+
+
 class RolloutSpec(_Spec):
     """Rollout (vLLM) engine settings; unset numbers are chosen by the estimator."""
 
@@ -844,6 +864,19 @@ class RolloutSpec(_Spec):
         description="Two-phase scale-down: after adaptive mode lowers the dedicated engines, a rollout pod "
         "above the target is deleted once the driver reports it released (no engine, no request left on "
         "it), or this many seconds after the decision without that acknowledgement. 0: at once.",
+    )
+    engine_timeout_seconds: float = Field(
+        600.0,
+        gt=0.0,
+        le=86400.0,
+        description="A dedicated rollout engine whose generate or weight-sync call runs longer than this is "
+        "taken as hung: the driver drops it, requeues its requests and reports its pod lost.",
+    )
+    weight_sync: WeightSyncMode = Field(
+        "collective",
+        description="How new weights reach rollout engines: collective (one torch.distributed group per "
+        "engine, bucketed broadcast: gloo on CPU, NCCL on GPU, HCCL on Ascend) or objectStore (the "
+        "fallback: one whole-model dict through Ray's object store).",
     )
 
 

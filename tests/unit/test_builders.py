@@ -426,3 +426,27 @@ def test_reward_modules_by_import_path_file_configmap_and_pvc() -> None:
     assert volumes["reward-3"]["persistentVolumeClaim"] == {"claimName": "code", "readOnly": True}
     assert mounts["reward-2"] == f"{configmaps.REWARD_MOUNT_DIR}/2"
     assert "reward-0" not in volumes and "reward-1" not in volumes
+
+
+
+def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis() -> None:
+    spec = make_spec()
+    cfg = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
+    assert cfg.rollout.dedicated_engines == 2 and cfg.grpo.max_staleness == 1
+    assert cfg.grpo.policy_loss == "clipped-tis" and cfg.grpo.tis_cap == 2.0
+    assert cfg.rollout.weight_sync == "collective" and cfg.rollout.engine_timeout_s == 600.0
+
+    colocated = make_spec(**{"resources.static": {"trainerAccelerators": 24, "rolloutAccelerators": 0}})
+    cfg = configmaps.render_trainer_config(colocated, static_plan(colocated), {"model_type": "llama"})
+    assert cfg.rollout.max_dedicated_engines == 0
+    assert cfg.grpo.max_staleness == 0 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+
+    chosen = make_spec(
+        **{
+            "grpo": {"maxStaleness": 3, "tisCap": 0},
+            "resources.rollout": {"tensorParallel": 4, "engineTimeoutSeconds": 30, "weightSync": "objectStore"},
+        }
+    )
+    cfg = configmaps.render_trainer_config(chosen, static_plan(chosen), {"model_type": "llama"})
+    assert cfg.grpo.max_staleness == 3 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+    assert cfg.rollout.weight_sync == "object-store" and cfg.rollout.engine_timeout_s == 30

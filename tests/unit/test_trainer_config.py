@@ -97,7 +97,18 @@ def test_sync_report_json_is_camel_case():
         "step", "time", "intervalS", "trainerWaitS", "generationS", "trainingS",
         "inflightRequestSeconds", "engineSeconds", "snapshotInflight", "sharedEnginesAwake",
         "dedicatedEngines", "meanReward", "loss", "tokensPerS", "responseLenMean", "exportPath",
+        "releasedRolloutPods", "lostRolloutPods", "stalenessMax",
     }
+
+
+def test_old_sync_reports_parse_with_empty_pod_lists():
+    data = json.loads(telemetry.dump_reports([_report(1)]))[0]
+    for key in ("releasedRolloutPods", "lostRolloutPods", "stalenessMax"):
+        data.pop(key)
+    report = telemetry.parse_reports(json.dumps([data]))[0]
+    assert report.released_rollout_pods == [] and report.lost_rollout_pods == [] and report.staleness_max == 0
+    again = json.loads(telemetry.dump_reports([report.model_copy(update={"lost_rollout_pods": [2]})]))[0]
+    assert again["lostRolloutPods"] == [2] and again["releasedRolloutPods"] == []
     assert telemetry.parse_reports(json.dumps([data])) == [_report(1)]
     assert _report(1).mean_busy == 1.5
     assert telemetry.parse_reports(None) == []

@@ -179,6 +179,20 @@ class GRPOSettings(_Model):
     top_p: float = Field(1.0, gt=0, le=1)
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient L2 norm.")
     seed: int = Field(0, description="Seeds data order, sampling and initialisation.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Bound on how many weight updates a trained sample may be behind the trainer: 0 is the "
+        "synchronous loop; N lets dedicated engines generate up to N steps ahead while the trainer "
+        "trains (AReaL's bounded staleness). Shared engines always stay synchronous.",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling cap for policy loss 'clipped-tis': each token's loss is "
+        "weighted by min(pi_old / pi_rollout, tisCap) with the engine's rollout log-probs.",
+    )
 
 
 class BatchingSettings(_Model):
@@ -222,6 +236,18 @@ class RolloutSettings(_Model):
         "(they are reloaded from the trainer when the engine wakes, before it generates).",
     )
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one engine actor.")
+    engine_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A dedicated engine call (generate, weight sync) running longer than this is taken as a "
+        "hung engine: it is dropped and its requests go back to the queue.",
+    )
+    weight_sync: Literal["collective", "object-store"] = Field(
+        "collective",
+        description="collective: trainer rank 0 broadcasts bucketed weights over one torch.distributed group "
+        "per engine (gloo on CPU, NCCL on GPU, HCCL on Ascend); object-store: the fallback, one whole-model "
+        "dict through Ray's object store. vLLM engines always use object-store here.",
+    )
 
     @model_validator(mode="after")
     def _some_engine(self) -> RolloutSettings:

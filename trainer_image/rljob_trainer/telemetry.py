@@ -59,13 +59,16 @@ class SyncReport(BaseModel):
         default_factory=list,
         alias="releasedRolloutPods",
         description="Rollout pod indices the driver holds no engine and no request on after a lowered "
-        "dedicated target (the drain acknowledgement the operator deletes the pod on).",
+        "dedicated target (the drain acknowledgement: the operator may delete them).",
     )
     lost_rollout_pods: list[int] = Field(
         default_factory=list,
         alias="lostRolloutPods",
-        description="Rollout pod indices whose engine the driver dropped since the last report (died, or "
-        "hung past engineTimeoutSeconds); the operator recreates only those pods.",
+        description="Rollout pod indices whose engine the driver dropped since the previous report because "
+        "it died or hung past rollout.engineTimeoutS (the operator recreates only those pods).",
+    )
+    staleness_max: int = Field(
+        0, alias="stalenessMax", ge=0, description="Most weight updates a trained sample was behind."
     )
 
     @property

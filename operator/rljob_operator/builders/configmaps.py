@@ -132,7 +132,21 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
         "shared_engines": shared,
         "dedicated_engines": dedicated,
         "max_dedicated_engines": max_dedicated,
+        "engine_timeout_s": res.rollout.engine_timeout_seconds,
+        "weight_sync": "object-store" if res.rollout.weight_sync == "objectStore" else "collective",
     }
+
+
+def _pipeline_settings(spec: api.RLJobSpec, rollout: dict[str, Any]) -> dict[str, Any]:
+    """maxStaleness (default 1 when the job can have dedicated engines, else 0) and its TIS loss."""
+    g = spec.grpo
+    staleness = g.max_staleness
+    if staleness is None:
+        staleness = 1 if rollout["max_dedicated_engines"] > 0 else 0
+    out: dict[str, Any] = {"max_staleness": staleness}
+    if staleness > 0 and g.tis_cap > 0:
+        out.update(policy_loss="clipped-tis", tis_cap=g.tis_cap)
+    return out
 
 
 # Env vars the trainer pods get from the tracking Secrets (spec.tracking.*SecretRef).
@@ -179,6 +193,7 @@ def render_trainer_config(
             )
         rewards.append(item)
     # Ranks per trainer pod, as the pods are laid out (a plan without trainer accelerators: one rank).
+    rollout = _rollout_settings(spec, plan)
     pod_ranks = list(compute_layout(spec, plan).trainer_accelerators) if plan.trainer_accelerators else [1]
     data = {
         "model": _model_settings(spec, model_config),
@@ -201,6 +216,7 @@ def render_trainer_config(
             "top_p": g.top_p,
             "grad_clip": g.grad_clip if g.grad_clip > 0 else 1.0e12,
             "seed": g.seed,
+            **_pipeline_settings(spec, rollout),
         },
         "batching": {
             "packed": b.packing == "packed",
@@ -209,7 +225,7 @@ def render_trainer_config(
             "max_tokens_per_micro_batch": b.max_tokens_per_micro_batch or 8192,
             "dp_balance": b.dp_balance,
         },
-        "rollout": _rollout_settings(spec, plan),
+        "rollout": rollout,
         "data": _data_settings(spec),
         "rewards": rewards,
         "checkpoint": {
