@@ -17,8 +17,10 @@ Running (never started, already ended) holds no engine and goes at once. Raising
 again ends the drain and keeps the pod.
 
 Lone replacement. A dedicated engine's pod that fails, ends, is evicted, loses its node, or is
-listed in a `SyncReport.lostRolloutPods` newer than the pod itself (the driver dropped its engine:
-died or hung past `engineTimeoutSeconds`) is deleted and recreated under the same name. The
+listed in a `SyncReport.lostRolloutPods` whose interval began after the pod was created (the
+driver dropped its engine: died or hung past `engineTimeoutSeconds`; a pod created within or after
+that interval is already the replacement, since engines join only at sync points) is deleted and
+recreated under the same name. The
 trainer gang keeps running; restart count, failures and backoff are untouched
 (`reconcile.decide_restart` reads only trainer pods). A pod deleted outside the operator needs
 nothing here: the pod diff recreates a missing name.
@@ -80,9 +82,11 @@ def _lost_why(
     if pod.phase in ("Failed", "Succeeded"):
         code = f" with exit code {pod.exit_code}" if pod.exit_code is not None else ""
         return f"pod {pod.name} ended ({pod.phase}{code})" + (f": {pod.message}" if pod.message else "")
+    # The driver adds engines only at sync points, so an engine lost during a report's interval ran
+    # on a pod that existed at the interval's start; a pod created since is its replacement.
     created = pod.created if pod.created is not None else float("inf")
     for r in reversed(reports):
-        if pod.index in r.lost_rollout_pods and r.time > created:
+        if pod.index in r.lost_rollout_pods and r.time - r.interval_s > created:
             return f"the driver dropped the engine on pod {pod.name} at step {r.step} (died or hung)"
     return ""
 

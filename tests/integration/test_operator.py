@@ -556,8 +556,11 @@ def test_lost_rollout_pod_is_recreated_alone(
         third = wait_for("the deleted rollout pod recreated", lambda: replaced(second), 60)
         # 3. the driver reports the engine lost (hung past engineTimeoutSeconds): the pod is
         # replaced once, not again on the next reconciles that read the same report
-        time.sleep(1.5)  # the report must be newer than the pod's creation (whole seconds)
+        # the report's interval must begin after the pod's creation (whole seconds): an engine lost
+        # in that interval ran on this pod, not on one replaced since
+        time.sleep(2.5)
         lost = _report(5, time.time(), pressured=False, shared_awake=0, dedicated=1, lostRolloutPods=[0])
+        lost["intervalS"] = 1.0
         cluster.kubectl("patch", "configmap", "eng-telemetry", "-n", namespace, "--type=merge",
                         "-p", json.dumps({"data": {"reports.json": json.dumps([lost])}}))  # fmt: skip
         fourth = wait_for("the lost engine's pod replaced", lambda: replaced(third), 60)

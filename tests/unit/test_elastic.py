@@ -101,6 +101,10 @@ def test_lost_engines_are_replaced_alone() -> None:
     assert "step 7" in plan([hung], reports=[lost]).replace[0].why
     new = dataclasses.replace(hung, created=T0.timestamp())
     assert plan([new], reports=[lost]).replace == ()
+    # the report's interval (1 s here) began after the pod was created: the pod that was deleted
+    # (and whose engine the driver then reported lost) was its predecessor, so no second replacement
+    during = dataclasses.replace(hung, created=lost.time - 0.5)
+    assert plan([during], reports=[lost]).replace == ()
     assert plan([pod(0)]).replace == ()  # a healthy pod stays
     # the trainers are never in the plan
     assert all("trainer" not in r.name for r in plan([failed], target=1).replace)
