@@ -412,7 +412,15 @@ class PolicySink(telemetry_sink.TelemetrySink):
         self.t0 = time.time()
 
     def publish(self, history: Sequence[telemetry.SyncReport], metrics: Mapping[str, Any]) -> None:
-        self.reports.append(history[-1])
+        r = history[-1]
+        self.reports.append(r)
+        waited = r.trainer_wait_s / max(r.interval_s, 1e-9)
+        print(
+            f"  t={time.time() - self.t0:6.1f}s step {r.step:>3} waited {waited:4.0%} of {r.interval_s:.2f}s,"
+            f" generation {r.generation_s:5.2f}s, response {r.response_len_mean:4.1f} tokens, "
+            f"engines {r.shared_engines_awake}+{r.dedicated_engines}",
+            flush=True,
+        )
         state = policy.RolloutState(
             shared_engines_total=self.shared_total,
             shared_engines_awake=self.shared_awake,
