@@ -470,7 +470,7 @@ def real_driver_run(*, steps: int, short_from_step: int, workdir: Path) -> dict[
     plan = planning.plan_status(planning.plan_job(spec, model_config))
     reward = workdir / "reward.py"
     reward.write_text(
-        REAL_REWARD.read_text().replace("SHORT_FROM_STEP = 80", f"SHORT_FROM_STEP = {short_from_step}")
+        REAL_REWARD.read_text().replace("SHORT_FROM_STEP = 50", f"SHORT_FROM_STEP = {short_from_step}")
     )
     data = config_mod.cpu_standin(builders.render_trainer_config(spec, plan, model_config)).model_dump()
     data["grpo"]["max_steps"] = steps

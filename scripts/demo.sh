@@ -64,7 +64,7 @@ echo
 
 # Elasticity: an adaptive job on the local-exec GPU pool (examples/adaptive-gpu-local.yaml). Its
 # reward first asks for long answers (generation is the bottleneck: the DECISION column shows
-# WakeShared, then AddDedicated and rollout pod 0 joining, ROLLOUT 2/2), then from step 80 for
+# WakeShared, then AddDedicated and rollout pod 0 joining, ROLLOUT 2/2), then from step 50 for
 # short ones (the load falls: RemoveDedicated, the pod drains and goes, ROLLOUT back to 1/1).
 job=adaptive-gpu-local
 echo "==> adaptive mode on the gpu-local pool: $job (kubectl get rljobs -w -o wide)"

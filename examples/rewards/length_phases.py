@@ -12,7 +12,7 @@ steps (from the start of this process: a restarted trainer starts the count agai
 
 from __future__ import annotations
 
-SHORT_FROM_STEP = 80
+SHORT_FROM_STEP = 50
 CAP_CHARS = 48  # the example's maxCompletionTokens; the digits tokenizer has one char per token
 
 _calls = 0

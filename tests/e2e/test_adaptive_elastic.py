@@ -139,7 +139,7 @@ def test_adaptive_job_wakes_adds_survives_loss_and_drains(
     manifest["spec"]["grpo"]["maxSteps"] = MAX_STEPS
     reward = tmp_path / "reward.py"
     reward.write_text(
-        REWARD.read_text().replace("SHORT_FROM_STEP = 80", f"SHORT_FROM_STEP = {SHORT_FROM_STEP}")
+        REWARD.read_text().replace("SHORT_FROM_STEP = 50", f"SHORT_FROM_STEP = {SHORT_FROM_STEP}")
     )
     cluster.kubectl(
         "create", "configmap", "adaptive-gpu-local-reward", "-n", namespace, f"--from-file=reward.py={reward}"
