@@ -24,3 +24,4 @@ bench: setup
 	.venv/bin/python bench/estimator.py
 	.venv/bin/python bench/adaptive.py
 	.venv/bin/python bench/weight_sync.py
+	.venv/bin/python bench/pipeline.py

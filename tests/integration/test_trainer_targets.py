@@ -31,3 +31,27 @@ def test_driver_adds_drops_and_wakes_engines_to_match_targets():
     assert sorted(d.engines) == ["shared-0"]
     m = d.step()  # with no dedicated engine the shared one generates
     assert m["step"] == 3 and m["engine_seconds"] > 0
+
+
+def test_local_runtime_with_max_staleness_stays_correct_without_overlap():
+    # In-process calls finish when submitted, so nothing overlaps; the pipeline must still train every
+    # step on rollouts within the bound and report a trainer wait no longer than the interval.
+    cfg = toy_config(
+        grpo={
+            "maxSteps": 4,
+            "promptsPerStep": 4,
+            "maxStaleness": 1,
+            "policyLoss": "clipped-tis",
+            "tisCap": 2.0,
+        },
+        rollout={"sharedEngines": 0, "dedicatedEngines": 1},
+        distributed={"numTrainerRanks": 1, "launcher": "local"},
+    )
+    d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
+    rows = d.run()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/regenerated_stale"] == 0 for r in rows)
+    assert d.lookahead == 1 and d.engines["dedicated-0"].version == 4
+    for report in d.state.history:
+        assert 0 < report.trainer_wait_s <= report.interval_s
+        assert report.generation_s > 0

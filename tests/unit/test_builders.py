@@ -428,7 +428,6 @@ def test_reward_modules_by_import_path_file_configmap_and_pvc() -> None:
     assert "reward-0" not in volumes and "reward-1" not in volumes
 
 
-
 def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis() -> None:
     spec = make_spec()
     cfg = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
@@ -444,7 +443,11 @@ def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis()
     chosen = make_spec(
         **{
             "grpo": {"maxStaleness": 3, "tisCap": 0},
-            "resources.rollout": {"tensorParallel": 4, "engineTimeoutSeconds": 30, "weightSync": "objectStore"},
+            "resources.rollout": {
+                "tensorParallel": 4,
+                "engineTimeoutSeconds": 30,
+                "weightSync": "objectStore",
+            },
         }
     )
     cfg = configmaps.render_trainer_config(chosen, static_plan(chosen), {"model_type": "llama"})

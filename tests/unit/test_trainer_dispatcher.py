@@ -72,3 +72,39 @@ def test_admission_balances_and_respects_sleep_and_removal():
     clock.t -= 1
     with pytest.raises(ValueError, match="backwards"):
         d.submit(1)
+
+
+def test_admit_limits_engines_and_requests_and_requeue_returns_them_to_the_queue():
+    clock = FakeClock()
+    d = dispatcher.Dispatcher(clock)
+    d.set_engine("shared-0", awake=True, capacity=8)
+    d.set_engine("dedicated-0", awake=True, capacity=8)
+    current, ahead = d.submit(3), d.submit(3)
+    # The shared engine takes only the step the trainer waits for, never the steps ahead.
+    sent = d.admit(engines=["shared-0"], requests=set(current))
+    assert sent == {"shared-0": current}
+    sent = d.admit(engines=["dedicated-0"])
+    assert sent == {"dedicated-0": ahead}
+    assert d.admit() == {}  # nothing queued
+    d.requeue(ahead[1:])  # e.g. their outputs were too stale to train on
+    assert [d.is_queued(r) for r in ahead] == [False, True, True]
+    assert d.engine_inflight("dedicated-0") == 1
+    clock.t = 102.0
+    load = d.close_interval()
+    assert load.inflight_request_seconds == 12.0  # requeued requests stay in flight
+    with pytest.raises(ValueError, match="not in flight"):
+        d.requeue([999])
+
+
+def test_a_removed_engine_hands_its_requests_back_to_the_others():
+    d = dispatcher.Dispatcher(FakeClock())
+    d.set_engine("dedicated-0", awake=True, capacity=4)
+    d.set_engine("dedicated-1", awake=True, capacity=4)
+    ids = d.submit(4)
+    sent = d.admit(max_per_engine=2)
+    assert sorted(len(v) for v in sent.values()) == [2, 2]
+    lost = sent["dedicated-1"]
+    d.remove_engine("dedicated-1")  # it died: its requests go back to the queue
+    assert all(d.is_queued(r) for r in lost)
+    assert d.admit() == {"dedicated-0": lost}
+    assert d.inflight == len(ids)

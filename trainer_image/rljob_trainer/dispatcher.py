@@ -13,7 +13,7 @@ The clock is injected (monotonic seconds), so tests drive it exactly. Callers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -104,15 +104,29 @@ class Dispatcher:
             self._phase[rid] = Phase.QUEUED
         return ids
 
-    def admit(self, max_per_engine: int | None = None) -> dict[str, list[int]]:
+    def admit(
+        self,
+        max_per_engine: int | None = None,
+        *,
+        engines: Collection[str] | None = None,
+        requests: Collection[int] | None = None,
+    ) -> dict[str, list[int]]:
         """Move queued requests (oldest first) to awake engines with free capacity, least loaded first.
 
-        `max_per_engine` caps what one call hands each engine (one generate call). Returns
-        {engine: request ids now DISPATCHING}; engines that got nothing are absent.
+        `max_per_engine` caps what one call hands each engine (one generate call); `engines` limits
+        the call to those engines and `requests` to those request ids (e.g. engines colocated with
+        training take only the step the trainer waits for). Returns {engine: request ids now
+        DISPATCHING}; engines that got nothing are absent.
         """
         self._advance()
-        queued = sorted(rid for rid, p in self._phase.items() if p is Phase.QUEUED)
-        awake = [e for e, is_awake in sorted(self._awake.items()) if is_awake]
+        queued = sorted(
+            rid
+            for rid, p in self._phase.items()
+            if p is Phase.QUEUED and (requests is None or rid in requests)
+        )
+        awake = [
+            e for e, is_awake in sorted(self._awake.items()) if is_awake and (engines is None or e in engines)
+        ]
         free = {e: self._capacity[e] - self.engine_inflight(e) for e in awake}
         out: dict[str, list[int]] = {}
         for rid in queued:
@@ -135,6 +149,19 @@ class Dispatcher:
             if self._phase.get(rid) is not Phase.DISPATCHING:
                 raise ValueError(f"request {rid} is {self._phase.get(rid)}, not dispatching")
             self._phase[rid] = Phase.GENERATING
+
+    def requeue(self, ids: Sequence[int]) -> None:
+        """These dispatched requests go back to the queue (their engine was dropped or their output
+        was too stale to train on)."""
+        self._advance()
+        for rid in ids:
+            if rid not in self._phase:
+                raise ValueError(f"request {rid} is not in flight")
+            self._phase[rid] = Phase.QUEUED
+            self._engine_of.pop(rid, None)
+
+    def is_queued(self, rid: int) -> bool:
+        return self._phase.get(rid) is Phase.QUEUED
 
     def finish(self, ids: Sequence[int]) -> None:
         """These requests are done (output received by the driver)."""

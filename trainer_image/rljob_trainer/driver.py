@@ -35,11 +35,13 @@ from rljob_trainer import (
     export,
     modeling,
     rewards,
+    rollout_buffer,
     runtimes,
     telemetry,
     telemetry_sink,
     tracking,
     trainer,
+    weight_sync,
 )
 from rljob_trainer import config as config_mod
 from rljob_trainer.engines import base
@@ -100,6 +102,39 @@ class _Engine:
     awake: bool = True
     asleep: bool = False
     version: int = 0
+    draining: bool = False  # above a lowered dedicated target: no new requests, dropped once idle
+
+
+@dataclass
+class _GenJob:
+    """The rollouts of one training step: its prompts, their requests and the outputs so far."""
+
+    step: int
+    prompt_indices: list[int]
+    sampler_after: data.SamplerState
+    group_ids: list[int]
+    prompts: list[list[int]]
+    seeds: list[int]
+    outputs: list[base.GenerationOutput | None]
+    started: float | None = None  # first request dispatched
+    finished: float | None = None  # last output received
+
+    @property
+    def complete(self) -> bool:
+        return all(o is not None for o in self.outputs)
+
+
+@dataclass
+class _Call:
+    """One generate call in flight: its engine, its request ids and when it was submitted."""
+
+    engine: str
+    ids: list[int]
+    submitted: float
+
+
+class EngineLost(RuntimeError):
+    """An engine died or hung past rollout.engineTimeoutS."""
 
 
 @dataclass
@@ -141,6 +176,21 @@ class GRPODriver:
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
         self._weights: tuple[int, Any] | None = None
+        # The rollout pipeline: generation jobs by step, request -> (step, index), calls in flight.
+        self._jobs: dict[int, _GenJob] = {}
+        self._request_of: dict[int, tuple[int, int]] = {}
+        self._calls: dict[Any, _Call] = {}
+        self._gen_sampler = data.SamplerState()
+        self._next_gen_step = 1
+        self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
+        self._released_pods: set[int] = set()  # drained after a lowered target, not re-added since
+        self._regenerated = 0  # requests regenerated because their output was too stale
+        self._wait_s = 0.0  # trainer blocked waiting for rollouts since the last sync point
+        self._collective = (
+            cfg.rollout.weight_sync == "collective"
+            and cfg.rollout.kind == "transformers"
+            and isinstance(runtime, runtimes.RayRuntime)
+        )
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -153,6 +203,7 @@ class GRPODriver:
         for i in range(self.cfg.rollout.shared_engines):
             self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
         self._resume()
+        self._gen_sampler, self._next_gen_step = self.state.sampler, self.state.step + 1
         self._reconcile_dedicated()
         self.placement = self.check_placement()
         self._sync_awake_engines()
@@ -199,33 +250,115 @@ class GRPODriver:
 
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
-        self.rt.get(self.rt.submit(handle, "load"))
         self.engines[name] = _Engine(name, handle, colocated, pod_index)
+        self._settle({name: self.rt.submit(handle, "load")}, what="load")
+        if name in self.engines and self._collective:
+            self._join_weight_group(name)
+        if name not in self.engines:
+            raise EngineLost(f"engine {name} was lost while it started")
         self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
+        if pod_index is not None:
+            self._released_pods.discard(pod_index)
         log.info("engine %s up (colocated=%s, pod=%s)", name, colocated, pod_index)
 
-    def _drop_engine(self, name: str) -> None:
+    def _join_weight_group(self, name: str) -> None:
+        """Open engine `name`'s own weight group with trainer rank 0 (both sides block until joined)."""
+        r = self.cfg.rollout
+        device, _ = trainer.resolve_device_and_backend(self.cfg.distributed)
+        backend = weight_sync.backend_for_device(device)
+        timeout = r.engine_timeout_s
+        address = self.rt.get(self.rt.submit(self.ranks[0], "weight_group_create", name, backend, timeout))
+        rank_side = self.rt.submit(self.ranks[0], "weight_group_open", address, 0)
+        self._settle(
+            {name: self.rt.submit(self.engines[name].handle, "weight_group_open", address, 1)},
+            what="weight group",
+        )
+        if name in self.engines:
+            self.rt.get(rank_side)
+
+    def _drop_engine(self, name: str, *, lost: bool = False) -> None:
+        """Drop an engine: its queued and in-flight requests go back to the queue, its calls are
+        forgotten, its weight group on rank 0 is closed. A lost dedicated engine's pod is reported."""
         eng = self.engines.pop(name)
         self.dispatcher.remove_engine(name)
-        self.rt.kill(eng.handle)
-        log.info("engine %s dropped", name)
+        for fut in [f for f, c in self._calls.items() if c.engine == name]:
+            del self._calls[fut]
+        if self._collective:
+            self.rt.submit(self.ranks[0], "weight_group_close", name)  # queued behind the rank's work
+        try:
+            self.rt.kill(eng.handle)
+        except Exception as e:  # already gone with its node
+            log.debug("kill %s: %s", name, e)
+        if lost and eng.pod_index is not None:
+            self._lost_pods.add(eng.pod_index)
+        log.info("engine %s %s", name, "lost" if lost else "dropped")
+
+    def _settle(self, futures: dict[str, Any], *, what: str) -> dict[str, Any]:
+        """Results of one call per engine; an engine that died or did not answer within
+        rollout.engineTimeoutS is dropped as lost (absent from the result), never failing the job."""
+        out: dict[str, Any] = {}
+        deadline = self.clock() + self.cfg.rollout.engine_timeout_s
+        pending = dict(futures)
+        lost = self.rt.lost_errors()
+        while pending:
+            done = self.rt.wait_any(list(pending.values()), max(0.0, deadline - self.clock()))
+            if not done:
+                for name in pending:
+                    log.warning(
+                        "engine %s: %s hung past %.0f s", name, what, self.cfg.rollout.engine_timeout_s
+                    )
+                    if name in self.engines:
+                        self._drop_engine(name, lost=True)
+                break
+            for name, fut in list(pending.items()):
+                if fut not in done:
+                    continue
+                del pending[name]
+                try:
+                    out[name] = self.rt.get(fut)
+                except lost as e:
+                    log.warning("engine %s: %s failed, the engine is gone: %s", name, what, e)
+                    if name in self.engines:
+                        self._drop_engine(name, lost=True)
+        return out
 
     def _reconcile_dedicated(self) -> None:
-        """Add dedicated engines on joined rollout pods up to the target; drop the highest above it."""
+        """Add dedicated engines on live rollout pods up to the target (each gets the weights first);
+        drain the highest above it: no new requests, dropped (and reported released) once idle."""
         target = min(self.dedicated_target, self.cfg.rollout.max_dedicated_engines)
         have = sorted(
-            e.pod_index for e in self.engines.values() if not e.colocated and e.pod_index is not None
+            (e.pod_index, e.name)
+            for e in self.engines.values()
+            if not e.colocated and e.pod_index is not None and not e.draining
         )
-        for j in have[target:]:
-            self._drop_engine(f"dedicated-{j}")
-        have = have[:target]
+        for _, name in have[target:]:
+            self.engines[name].draining = True
+            self.engines[name].awake = False
+            self.dispatcher.set_engine(name, awake=False, capacity=self.cfg.rollout.max_num_seqs)
+            log.info("engine %s draining (dedicated target %s)", name, target)
+        self._release_drained()
+        pods = {j for j, _ in have[:target]}
         for j in self.rt.rollout_pods():
-            if len(have) >= target:
+            if len(pods) >= target:
                 break
-            if j not in have:
-                self._add_engine(f"dedicated-{j}", colocated=False, pod_index=j)
-                self._update_engine_weights([f"dedicated-{j}"])
-                have.append(j)
+            name = f"dedicated-{j}"
+            if j in pods or name in self.engines:  # a draining engine's pod comes back once released
+                continue
+            try:
+                self._add_engine(name, colocated=False, pod_index=j)
+                self._update_engine_weights([name])
+            except EngineLost as e:
+                log.warning("%s", e)
+                continue
+            if name in self.engines:
+                pods.add(j)
+
+    def _release_drained(self) -> None:
+        for name, eng in list(self.engines.items()):
+            if eng.draining and not any(c.engine == name for c in self._calls.values()):
+                self._drop_engine(name)
+                if eng.pod_index is not None:
+                    self._released_pods.add(eng.pod_index)
 
     # ---- the engine order (vLLM's RL recipe, one code path for both engines) ---------------------
     # After training: every engine that is awake (dedicated ones; shared ones without sleep mode)
@@ -279,10 +412,18 @@ class GRPODriver:
                 self.engines[n].version = -1  # discarded: reloaded when it wakes, whatever the version
 
     def _sync_awake_engines(self) -> None:
-        """Right after training: the new weights into every engine that is not asleep."""
-        names = [n for n, e in self.engines.items() if not e.asleep and e.version != self.weights_version]
+        """Right after training: the new weights into every engine that is not asleep (or draining).
+        Engines first finish the generate call they are on (an engine takes weights between calls)."""
+        names = [
+            n
+            for n, e in self.engines.items()
+            if not e.asleep and not e.draining and e.version != self.weights_version
+        ]
         if names:
-            self._update_engine_weights(names)
+            t0 = self.clock()  # the trainer idles here until the engines finish their calls
+            self._pump(lambda: not any(c.engine in names for c in self._calls.values()), admit=False)
+            self._wait_s += self.clock() - t0
+            self._update_engine_weights([n for n in names if n in self.engines])
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -329,69 +470,225 @@ class GRPODriver:
         return weights
 
     def _update_engine_weights(self, names: Sequence[str]) -> None:
-        weights, version = self._current_weights(), self.weights_version
-        self.rt.get(
-            [self.rt.submit(self.engines[n].handle, "update_weights", weights, version) for n in names]
-        )
-        for n in names:
-            self.engines[n].version = version
+        """The current weights into `names`: over each engine's weight group (the default), or as one
+        whole-model dict through the object store (rollout.weightSync object-store, vLLM, local mode).
+        An engine that fails or hangs is dropped as lost; the others carry on."""
+        version = self.weights_version
+        if not names:
+            return
+        if self._collective:
+            receiving = {n: self.rt.submit(self.engines[n].handle, "receive_engine_weights") for n in names}
+            sends = [self.rt.submit(r, "send_engine_weights", version, list(names)) for r in self.ranks]
+            failed = self.rt.get(sends)[0]
+            for name, error in failed.items():
+                log.warning("weight sync to %s failed: %s", name, error)
+            done = self._settle(receiving, what="weight sync")
+            for name in failed:
+                if name in self.engines:
+                    self._drop_engine(name, lost=True)
+        else:
+            weights = self._current_weights()
+            done = self._settle(
+                {
+                    n: self.rt.submit(self.engines[n].handle, "update_weights", weights, version)
+                    for n in names
+                },
+                what="weight sync",
+            )
+        for n in done:
+            if n in self.engines:
+                self.engines[n].version = version
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
         ids = data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
         return ids[-self.cfg.lengths.max_prompt_tokens :]
 
-    def _generate(self, prompts: Sequence[list[int]], seeds: Sequence[int]) -> list[base.GenerationOutput]:
+    # ---- the rollout pipeline ----------------------------------------------------------------------
+    # Generation runs ahead of training by up to `grpo.maxStaleness` steps on dedicated engines (step
+    # s may start generating once the weights of step s-1-maxStaleness are synced), so every sample
+    # trained at step s is at most maxStaleness updates old; shared engines (on the trainer's
+    # accelerators) only ever serve the step the trainer is waiting for. Ray futures make it overlap:
+    # generate calls are in flight while the ranks train, and `_pump` collects what finishes.
+    @property
+    def lookahead(self) -> int:
+        """How many steps generation may run ahead now: maxStaleness with a dedicated engine up, else 0."""
+        dedicated = any(not e.colocated and not e.draining for e in self.engines.values())
+        return self.cfg.grpo.max_staleness if dedicated else 0
+
+    def _fill_pipeline(self) -> None:
+        """Queue the requests of every step within the staleness bound that has not started."""
         g = self.cfg.grpo
-        n = len(prompts)
-        rids = self.dispatcher.submit(n)
-        index_of = {rid: i for i, rid in enumerate(rids)}
-        results: list[base.GenerationOutput | None] = [None] * n
-        awake = max(1, sum(1 for e in self.engines.values() if e.awake))
-        per_call = -(-n // awake)
-        pending: dict[Any, list[int]] = {}
-        while self.dispatcher.inflight:
-            for name, ids in self.dispatcher.admit(max_per_engine=per_call).items():
-                sampling = base.SamplingSettings(
-                    temperature=g.temperature,
-                    top_p=g.top_p,
-                    max_tokens=self.cfg.lengths.max_response_tokens,
-                    seeds=tuple(seeds[index_of[r]] for r in ids),
+        last = min(g.max_steps, self.weights_version + self.lookahead + 1)
+        while self._next_gen_step <= last:
+            step = self._next_gen_step
+            idx, self._gen_sampler = data.next_prompts(
+                self._gen_sampler,
+                g.prompts_per_step,
+                num_examples=len(self.examples),
+                seed=g.seed,
+                shuffle=self.cfg.data.shuffle,
+            )
+            group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
+            prompts = [self._encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
+            n = len(prompts)
+            job = _GenJob(
+                step,
+                idx,
+                self._gen_sampler,
+                group_ids,
+                prompts,
+                [sample_seed(g.seed, step, i) for i in range(n)],
+                [None] * n,
+            )
+            self._jobs[step] = job
+            for i, rid in enumerate(self.dispatcher.submit(n)):
+                self._request_of[rid] = (step, i)
+            self._next_gen_step += 1
+
+    def _admit(self, current: int) -> None:
+        """Hand queued requests to idle awake engines, one generate call per engine at a time:
+        shared engines take only step `current`'s, dedicated ones the oldest of any step."""
+        busy = {c.engine for c in self._calls.values()}
+        idle = [n for n, e in self.engines.items() if e.awake and n not in busy]
+        if not idle:
+            return
+        per_call = -(-self.cfg.samples_per_step // max(1, sum(1 for e in self.engines.values() if e.awake)))
+        job = self._jobs.get(current)
+        current_ids = {rid for rid, (st, _) in self._request_of.items() if st == current} if job else set()
+        shared = [n for n in idle if self.engines[n].colocated]
+        dedicated = [n for n in idle if not self.engines[n].colocated]
+        batches: dict[str, list[int]] = {}
+        if shared and current_ids:
+            batches.update(self.dispatcher.admit(per_call, engines=shared, requests=current_ids))
+        if dedicated:
+            batches.update(self.dispatcher.admit(per_call, engines=dedicated))
+        g = self.cfg.grpo
+        for name, ids in batches.items():
+            where = [self._request_of[r] for r in ids]
+            sampling = base.SamplingSettings(
+                temperature=g.temperature,
+                top_p=g.top_p,
+                max_tokens=self.cfg.lengths.max_response_tokens,
+                seeds=tuple(self._jobs[st].seeds[i] for st, i in where),
+            )
+            now = self.clock()
+            for st, _ in where:
+                if self._jobs[st].started is None:
+                    self._jobs[st].started = now
+            batch = [self._jobs[st].prompts[i] for st, i in where]
+            fut = self.rt.submit(self.engines[name].handle, "generate", batch, sampling)
+            self.dispatcher.mark_generating(ids)
+            self._calls[fut] = _Call(name, ids, now)
+
+    def _collect(self, fut: Any) -> None:
+        """One finished generate call: its outputs into their jobs, or its engine dropped as lost."""
+        call = self._calls.pop(fut)
+        try:
+            outs = self.rt.get(fut)
+        except self.rt.lost_errors() as e:
+            log.warning("engine %s lost while generating: %s", call.engine, e)
+            self._calls[fut] = call  # _drop_engine forgets it and requeues its requests
+            self._drop_engine(call.engine, lost=True)
+            return
+        now = self.clock()
+        for rid, out in zip(call.ids, outs, strict=True):
+            st, i = self._request_of.pop(rid)
+            job = self._jobs[st]
+            job.outputs[i] = out
+            if job.complete:
+                job.finished = now
+        self.dispatcher.finish(call.ids)
+        eng = self.engines.get(call.engine)
+        if eng is not None and eng.draining:
+            self._release_drained()
+
+    def _pump(
+        self,
+        done: Callable[[], bool],
+        *,
+        current: int | None = None,
+        admit: bool = True,
+        also: Sequence[Any] = (),
+    ) -> None:
+        """Run the pipeline (admit, collect, drop hung engines) until `done()`; `also` are other futures
+        (the ranks' training) whose completion is a reason to re-check `done`."""
+        timeout = self.cfg.rollout.engine_timeout_s
+        while not done():
+            if admit and current is not None:
+                self._admit(current)
+            if not self._calls and not also:
+                if not (admit and self._queued_requests()):
+                    return
+                self._await_engine()
+                continue
+            now = self.clock()
+            oldest = min((c.submitted for c in self._calls.values()), default=now)
+            wait = max(0.0, min(timeout - (now - oldest), 1.0)) if self._calls else 1.0
+            for fut in self.rt.wait_any([*self._calls, *also], wait):
+                if fut in self._calls:
+                    self._collect(fut)
+            now = self.clock()
+            for fut, call in list(self._calls.items()):
+                if fut in self._calls and now - call.submitted > timeout:
+                    log.warning("engine %s hung past %.0f s", call.engine, timeout)
+                    self._drop_engine(call.engine, lost=True)
+
+    def _await_engine(self) -> None:
+        """Requests are queued and no engine can take them (every dedicated engine was lost): bring
+        engines up on the rollout pods that are back, waiting up to rollout.engineTimeoutS for one."""
+        deadline = time.monotonic() + self.cfg.rollout.engine_timeout_s
+        while not any(e.awake for e in self.engines.values()):
+            self._reconcile_dedicated()
+            if any(e.awake for e in self.engines.values()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "requests are queued but no rollout engine is up: every dedicated engine was lost, "
+                    f"no rollout pod came back within {self.cfg.rollout.engine_timeout_s:.0f} s "
+                    "(rollout.engineTimeoutS) and there is no shared engine to fall back on"
                 )
-                batch = [prompts[index_of[r]] for r in ids]
-                fut = self.rt.submit(self.engines[name].handle, "generate", batch, sampling)
-                self.dispatcher.mark_generating(ids)
-                pending[fut] = ids
-            if not pending:
-                raise RuntimeError("requests are queued but no rollout engine is awake")
-            for fut in self.rt.wait_any(list(pending)):
-                ids = pending.pop(fut)
-                for rid, out in zip(ids, self.rt.get(fut), strict=True):
-                    results[index_of[rid]] = out
-                self.dispatcher.finish(ids)
-        return [r for r in results if r is not None]
+            time.sleep(1.0)
+
+    def _queued_requests(self) -> bool:
+        return any(self.dispatcher.is_queued(rid) for rid in self._request_of)
+
+    def _wait_for_batch(self, step: int) -> _GenJob:
+        """Block until step `step`'s rollouts are complete and within the staleness bound; outputs too
+        stale (an engine's weights were older than the bound allows) are regenerated and counted."""
+        bound = self.cfg.grpo.max_staleness
+        job = self._jobs[step]
+        while True:
+            if not job.complete:
+                self._prepare_generation()
+                t0 = self.clock()
+                self._pump(lambda: job.complete, current=step)
+                self._wait_s += self.clock() - t0
+                self._sleep_shared_engines()
+            stale = [
+                i
+                for i, o in enumerate(job.outputs)
+                if o is not None and rollout_buffer.staleness(step - 1, int(o.meta.get("version", 0))) > bound
+            ]
+            if not stale:
+                return job
+            log.warning("step %s: %d rollouts beyond staleness %d, regenerating", step, len(stale), bound)
+            self._regenerated += len(stale)
+            for i, rid in zip(stale, self.dispatcher.submit(len(stale)), strict=True):
+                job.outputs[i] = None
+                self._request_of[rid] = (step, i)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         cfg, g = self.cfg, self.cfg.grpo
         step = self.state.step + 1
         t_start = self.clock()
-        idx, sampler_next = data.next_prompts(
-            self.state.sampler,
-            g.prompts_per_step,
-            num_examples=len(self.examples),
-            seed=g.seed,
-            shuffle=cfg.data.shuffle,
-        )
-        group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
-        prompt_ids = [self._encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
-        seeds = [sample_seed(g.seed, step, i) for i in range(len(prompt_ids))]
-
-        t_gen = self.clock()
-        self._prepare_generation()
-        outs = self._generate(prompt_ids, seeds)
-        self._sleep_shared_engines()
-        gen_s = self.clock() - t_gen
+        self._fill_pipeline()
+        job = self._wait_for_batch(step)
+        del self._jobs[step]
+        outs = [o for o in job.outputs if o is not None]
+        gen_s = (job.finished or self.clock()) - (job.started or t_start)
+        idx, sampler_next, group_ids = job.prompt_indices, job.sampler_after, job.group_ids
 
         completions = [self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs]
         exs = [self.examples[idx[p]] for p in group_ids]
@@ -406,6 +703,7 @@ class GRPODriver:
         eos = self.tokenizer.eos_token_id
         samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
         versions = [s.weights_version for s in samples]
+        staleness = [rollout_buffer.staleness(step - 1, v) for v in versions]
 
         world = len(self.ranks)
         per_rank: list[list[trainer.RankMiniBatch]] = [[] for _ in range(world)]
@@ -422,7 +720,16 @@ class GRPODriver:
                     trainer.RankMiniBatch(tuple(samples[mb[j]] for j in shard), len(mb), n_resp)
                 )
         t_train = self.clock()
-        stats = self.rt.get([self.rt.submit(h, "train_step", per_rank[r]) for r, h in enumerate(self.ranks)])
+        futures = [self.rt.submit(h, "train_step", per_rank[r]) for r, h in enumerate(self.ranks)]
+        self._fill_pipeline()  # dedicated engines generate the next steps while the ranks train
+        pending = list(futures)
+
+        def trained() -> bool:
+            pending[:] = [f for f in pending if f not in self.rt.wait_any(pending, 0)] if pending else []
+            return not pending
+
+        self._pump(trained, current=step + 1, also=pending)
+        stats = self.rt.get(futures)
         train_s = self.clock() - t_train
         self.state.step = step
         self.state.sampler = sampler_next
@@ -445,7 +752,16 @@ class GRPODriver:
             "rollout/logprob_diff": sum(s["logprob_diff_sum"] for s in stats)
             / max(sum(s["logprob_diff_tokens"] for s in stats), 1),
             "rollout/weights_version_min": min(versions),
-            "rollout/staleness_max": step - 1 - min(versions),
+            "rollout/staleness_max": max(staleness),
+            "rollout/staleness_mean": sum(staleness) / len(staleness),
+            "rollout/regenerated_stale": self._regenerated,
+            "off_policy/is_weight_mean": sum(s["is_weight_sum"] for s in stats)
+            / max(sum(s["is_weight_tokens"] for s in stats), 1),
+            "off_policy/is_weight_max": max(s["is_weight_max"] for s in stats),
+            "off_policy/truncated_fraction": sum(s["is_truncated_tokens"] for s in stats)
+            / max(sum(s["is_weight_tokens"] for s in stats), 1),
+            "trainer_wait_s": self._wait_s,
+            "lookahead": self.lookahead,
             "grad_norm": stats[0]["grad_norm"],
             "response_len_mean": sum(resp_lens) / len(resp_lens),
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
@@ -473,19 +789,24 @@ class GRPODriver:
             step=metrics["step"],
             time=self.wall_clock(),
             interval_s=load.interval_s,
-            trainer_wait_s=gen_s,  # synchronous GRPO: ranks idle while rollouts run
+            trainer_wait_s=self._wait_s,  # the ranks idled waiting for rollouts this interval
             generation_s=gen_s,
             training_s=train_s,
             inflight_request_seconds=load.inflight_request_seconds,
             engine_seconds=load.engine_seconds,
             snapshot_inflight=load.snapshot_inflight,
             shared_engines_awake=self.shared_awake_target,
-            dedicated_engines=sum(1 for e in self.engines.values() if not e.colocated),
+            dedicated_engines=sum(1 for e in self.engines.values() if not e.colocated and not e.draining),
             mean_reward=metrics["mean_reward"],
             loss=metrics["loss"],
             tokens_per_s=metrics["tokens_per_s"],
             response_len_mean=metrics["response_len_mean"],
+            released_rollout_pods=sorted(self._released_pods),
+            lost_rollout_pods=sorted(self._lost_pods),
+            staleness_max=metrics["rollout/staleness_max"],
         )
+        self._wait_s = 0.0
+        self._lost_pods.clear()
         self.state.history = telemetry.append_report(self.state.history, report)
         metrics["busy_mean"] = report.mean_busy
         metrics["engines_awake"] = report.shared_engines_awake + report.dedicated_engines
@@ -509,9 +830,10 @@ class GRPODriver:
             )
         if targets.desired_dedicated_engines is not None:
             self.dedicated_target = max(0, targets.desired_dedicated_engines)
+        if self.dedicated_target < 1 and not self.cfg.rollout.shared_engines:
+            log.warning("dedicated target 0 without a shared engine: keeping one dedicated engine")
+            self.dedicated_target = 1
         self._reconcile_dedicated()
-        if not any(not e.colocated for e in self.engines.values()) and not self.cfg.rollout.shared_engines:
-            raise RuntimeError("no rollout engine left: dedicated target 0 and no shared engines")
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> list[dict[str, Any]]:

@@ -47,8 +47,84 @@ class Host:
         else:
             raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine")
 
+        self._cfg = cfg
+        self._stores: dict[str, Any] = {}
+        self._groups: dict[str, Any] = {}
+
+    # Methods of the host itself (the weight groups it keeps beside its rank or engine).
+    OWN_METHODS = frozenset(
+        {
+            "weight_group_create",
+            "weight_group_open",
+            "weight_group_close",
+            "send_engine_weights",
+            "receive_engine_weights",
+        }
+    )
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.obj, method)(*args, **kwargs)
+        target = self if method in self.OWN_METHODS else self.obj
+        return getattr(target, method)(*args, **kwargs)
+
+    # ---- weight sync over a collective (rljob_trainer.weight_sync), one group per engine ----------
+    # Trainer rank 0 is rank 0 of every engine's group; the engine is rank 1. Each group has its own
+    # TCPStore, so adding or dropping an engine never touches another engine's group.
+    def weight_group_create(self, name: str, backend: str, timeout_s: float) -> dict[str, Any]:
+        """Rank 0: start the store of engine `name`'s group; returns its `GroupAddress` fields."""
+        from rljob_trainer import weight_sync
+
+        host, _ = self.obj.node_address()
+        store = weight_sync.create_group_store(host, 2, timeout_s=timeout_s)
+        self._stores[name] = store
+        address = weight_sync.GroupAddress(name, host, int(store.port), 2, backend, timeout_s)
+        return dict(address.__dict__)
+
+    def weight_group_open(self, address: dict[str, Any], rank: int) -> None:
+        """Join engine `address['name']`'s group: rank 0 on the trainer (with its store), 1 on the engine."""
+        from rljob_trainer import weight_sync
+
+        addr = weight_sync.GroupAddress(**address)
+        self._groups[addr.name] = weight_sync.open_group(addr, rank, store=self._stores.get(addr.name))
+
+    def weight_group_close(self, name: str) -> None:
+        group = self._groups.pop(name, None)
+        if group is not None:
+            group.close()
+        self._stores.pop(name, None)
+
+    def send_engine_weights(self, version: int, names: Sequence[str]) -> dict[str, str]:
+        """Every trainer rank: stream the policy's engine weights (LoRA merged) bucket by bucket;
+        rank 0 broadcasts them to the groups of `names`. Returns {engine: error} of failed groups."""
+        import torch
+
+        from rljob_trainer import modeling, weight_sync
+
+        model = self.obj._parts()[0]
+        groups = {n: self._groups[n] for n in names if n in self._groups}
+        dtype = getattr(torch, self._cfg.model.dtype)
+        if modeling.is_lora(model):
+            with weight_sync.merged_lora_tensors(model) as tensors:
+                report = weight_sync.send_weights(groups, tensors, version=version, dtype=dtype)
+        else:
+            tensors = weight_sync.model_tensors(model)
+            report = weight_sync.send_weights(groups, tensors, version=version, dtype=dtype)
+        for name in report.failed:
+            self.weight_group_close(name)
+        missing = {n: "no weight group on trainer rank 0" for n in names if n not in groups}
+        return {**missing, **report.failed} if self.obj.rank == 0 else {}
+
+    def receive_engine_weights(self) -> int:
+        """Engine: receive one sync into the engine in place (under its sleep rules); returns the version."""
+        from rljob_trainer import weight_sync
+
+        (group,) = self._groups.values()
+        engine = self.obj
+        if hasattr(engine, "sleep_state"):  # refuse before the broadcast starts, not halfway through it
+            engine.sleep_state.check_update()
+        keep = engine.weights_version
+        report = weight_sync.receive_weights(group, lambda items: engine.update_weights(items, keep))
+        engine.update_weights([], report.version)
+        return report.version
 
     @staticmethod
     def where() -> dict[str, Any]:
@@ -98,8 +174,13 @@ class LocalRuntime:
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return _Done(handle.call(method, *args, **kwargs))
 
-    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
+    def wait_any(self, futures: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
+        del timeout_s  # every local call finished when it was submitted
         return list(futures)
+
+    def lost_errors(self) -> tuple[type[BaseException], ...]:
+        """Errors that mean an engine is gone (none in-process: an engine error is a bug)."""
+        return ()
 
     def get(self, futures: Any) -> Any:
         if isinstance(futures, list):
@@ -251,20 +332,32 @@ class RayRuntime:
             n["NodeID"]: pods_of_node(n.get("Resources", {})) for n in self._ray.nodes() if n.get("Alive")
         }
 
-    def wait_any(self, futures: Sequence[Any]) -> list[Any]:
-        done, _ = self._ray.wait(list(futures), num_returns=1)
+    def wait_any(self, futures: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
+        """The futures that are done: at least one, or none after `timeout_s`."""
+        done, _ = self._ray.wait(list(futures), num_returns=1, timeout=timeout_s)
+        if done:  # take every other finished one too, so a busy loop drains them in one pass
+            more, _ = self._ray.wait(list(futures), num_returns=len(futures), timeout=0)
+            done = more or done
         return done
+
+    def lost_errors(self) -> tuple[type[BaseException], ...]:
+        """Errors that mean an actor (an engine) or its node is gone, not that its code failed."""
+        from ray import exceptions
+
+        return (exceptions.RayActorError, exceptions.NodeDiedError, exceptions.ActorUnavailableError)
 
     def get(self, futures: Any) -> Any:
         return self._ray.get(futures)
 
     def rollout_pods(self) -> list[int]:
-        """Rollout pods that have joined the cluster (they advertise `rljob_rollout_<j>`)."""
-        prefix = config_mod.ROLLOUT_RESOURCE_PREFIX
-        pods = []
-        for key in self._ray.cluster_resources():
-            if key.startswith(prefix) and key[len(prefix) :].isdigit():
-                pods.append(int(key[len(prefix) :]))
+        """Rollout pods whose Ray node is alive (they advertise `rljob_rollout_<j>`); a dead node's
+        pod is not one, even while Ray still lists its resources."""
+        pods = {
+            int(pod.removeprefix("rollout-"))
+            for names in self.node_pods().values()
+            for pod in names
+            if pod.startswith("rollout-")
+        }
         return sorted(pods)
 
     def kill(self, handle: Any) -> None:

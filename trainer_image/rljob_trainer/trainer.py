@@ -314,6 +314,11 @@ class TrainingRank:
             "tokens": 0.0,
             "logprob_diff_sum": 0.0,
             "logprob_diff_tokens": 0.0,
+            # π_old / π_rollout over response tokens with engine log-probs (untruncated), first pass
+            "is_weight_sum": 0.0,
+            "is_weight_tokens": 0.0,
+            "is_weight_max": 0.0,
+            "is_truncated_tokens": 0.0,
         }
         pg_updates: list[float] = []
         grad_norms: list[float] = []
@@ -333,6 +338,12 @@ class TrainingRank:
                     engine = torch.tensor(s.rollout_logprobs, dtype=lp.dtype)
                     stats["logprob_diff_sum"] += float((lp.cpu() - engine).abs().sum())
                     stats["logprob_diff_tokens"] += float(len(engine))
+                    w = torch.exp(lp.cpu().double() - engine.double())
+                    stats["is_weight_sum"] += float(w.sum())
+                    stats["is_weight_tokens"] += float(w.numel())
+                    stats["is_weight_max"] = max(stats["is_weight_max"], float(w.max()))
+                    if g.tis_cap is not None:
+                        stats["is_truncated_tokens"] += float((w > g.tis_cap).sum())
         updates = [(i, mb) for _ in range(g.ppo_epochs) for i, mb in enumerate(mini_batches)]
         for i, mb_batch in updates:
             samples = mb_batch.samples
@@ -399,7 +410,19 @@ class TrainingRank:
             "global_num_tokens": mb_batch.global_num_response_tokens,
             "token_sum_norm": self.cfg.lengths.max_response_tokens,
         }
-        per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high)
+        tis: dict[str, Any] = {}
+        if g.policy_loss == "clipped-tis":
+            # The engine's log-probs (the behaviour policy); a sample without them weighs 1.
+            tis["rollout_logp"] = torch.cat(
+                [
+                    torch.tensor(samples[i].rollout_logprobs, dtype=logp.dtype, device=logp.device)
+                    if samples[i].rollout_logprobs
+                    else old[i].to(logp.device)
+                    for i in group
+                ]
+            )
+            tis["tis_cap"] = g.tis_cap if g.tis_cap is not None else 2.0
+        per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high, **tis)
         pg = algos.aggregate_loss(per_tok, mask, seq_ids, **agg)
         loss = pg
         if ref is not None:

@@ -1,0 +1,157 @@
+"""Pipeline benchmark: steps per hour of the synchronous loop vs `maxStaleness: 1`, side by side.
+
+Role: measures what overlapping generation with training buys. Each run is the real trainer entry
+point, `python -m rljob_trainer`, on a private local Ray node: one training rank (one torch thread)
+and one dedicated transformers engine (one torch thread) as Ray actors in their own processes,
+weights over the engine's gloo group. A tiny Qwen2 built from a config (random weights, nothing
+downloaded) on the toy arithmetic task.
+
+Generation and training are first balanced: a short synchronous calibration run measures the
+generation time per response token and the training time, and the response cap is set so both
+take about as long (the regime where one-step-off overlap pays most: perfect overlap gives 2x).
+Then the synchronous run (maxStaleness 0) and the asynchronous run (maxStaleness 1, truncated IS)
+use that config. Steps/hour is over every step after the first (sum of the driver's step times:
+waiting for rollouts, training and the weight sync), so start-up is not counted.
+
+Run: `.venv/bin/python bench/pipeline.py [--quick] [--json]`. The last line is exactly
+`pipeline: sync X steps/h, async Y steps/h, ratio R, staleness max K`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "trainer_image"))
+
+from rljob_trainer import config, modeling  # noqa: E402
+
+
+def make_config(*, steps: int, response_tokens: int, max_staleness: int) -> config.TrainerConfig:
+    grpo: dict[str, Any] = {
+        "groupSize": 8,
+        "promptsPerStep": 6,
+        "maxSteps": steps,
+        "learningRate": 1e-3,
+        "seed": 3,
+        "maxStaleness": max_staleness,
+    }
+    if max_staleness > 0:
+        grpo.update(policyLoss="clipped-tis", tisCap=2.0)
+    return config.parse_config(
+        {
+            "model": {
+                "name": "tiny-qwen2-bench",
+                "source": "tiny",
+                "hfConfig": modeling.tiny_hf_config(
+                    32, hidden_size=192, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4
+                ),
+                "dtype": "float32",
+                "tokenizer": "builtin-digits",
+                "finetune": "full",
+            },
+            "lengths": {"maxPromptTokens": 8, "maxResponseTokens": response_tokens},
+            "grpo": grpo,
+            "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": 4096},
+            "rollout": {
+                "kind": "transformers",
+                "sharedEngines": 0,
+                "dedicatedEngines": 1,
+                "maxDedicatedEngines": 1,
+                "engineNumCpus": 1,
+            },
+            "data": {"builtin": "toy-arithmetic"},
+            "rewards": [{"name": "mathAccuracy"}],
+            "telemetry": {"enabled": False, "prometheusPort": None},
+            "distributed": {
+                "numTrainerRanks": 1,
+                "launcher": "ray",
+                "torchThreadsPerRank": 1,
+                "rankNumCpus": 1,
+            },
+            "export": {"final": False, "everyCheckpoint": False},
+        }
+    )
+
+
+def run(cfg: config.TrainerConfig, workdir: Path, name: str) -> list[dict[str, Any]]:
+    """One `python -m rljob_trainer` run; its per-step metrics rows."""
+    path = workdir / f"{name}.json"
+    path.write_text(config.dump_config(cfg))
+    metrics = workdir / f"{name}.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLJOB_")}
+    env["PYTHONPATH"] = str(REPO / "trainer_image")
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljob_trainer", "--config", str(path), "--metrics-jsonl", str(metrics)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} run failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def steps_per_hour(rows: list[dict[str, Any]]) -> float:
+    timed = rows[1:]  # the first step pays for warm-up
+    return 3600.0 * len(timed) / sum(r["step_s"] for r in timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="about 3 minutes on 2 cores")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 8 quick, 20 full)")
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = p.parse_args()
+    steps = args.steps or (8 if args.quick else 20)
+    with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
+        work = Path(tmp)
+        probe_tokens = 8
+        probe = run(make_config(steps=3, response_tokens=probe_tokens, max_staleness=0), work, "calibrate")
+        gen = sum(r["generation_s"] for r in probe[1:]) / len(probe[1:])
+        train = sum(r["training_s"] for r in probe[1:]) / len(probe[1:])
+        tokens = max(2, min(96, round(probe_tokens * train / max(gen, 1e-6))))
+        print(
+            f"calibration: {probe_tokens} tokens: generation {gen:.2f} s, training {train:.2f} s "
+            f"-> {tokens} tokens"
+        )
+        sync = run(make_config(steps=steps, response_tokens=tokens, max_staleness=0), work, "sync")
+        async_ = run(make_config(steps=steps, response_tokens=tokens, max_staleness=1), work, "async")
+    for name, rows in (("sync", sync), ("async", async_)):
+        timed = rows[1:]
+        print(
+            f"{name}: step {sum(r['step_s'] for r in timed) / len(timed):.2f} s, generation "
+            f"{sum(r['generation_s'] for r in timed) / len(timed):.2f} s, training "
+            f"{sum(r['training_s'] for r in timed) / len(timed):.2f} s, trainer wait "
+            f"{sum(r['trainer_wait_s'] for r in timed) / len(timed):.2f} s, weight sync "
+            f"{sum(r['weight_sync_s'] for r in timed) / len(timed):.3f} s"
+        )
+    s, a = steps_per_hour(sync), steps_per_hour(async_)
+    staleness = max(int(r["rollout/staleness_max"]) for r in async_)
+    figures = {
+        "sync_steps_per_h": s,
+        "async_steps_per_h": a,
+        "ratio": a / s,
+        "staleness_max": staleness,
+        "response_tokens": tokens,
+        "is_weight_max": max(r["off_policy/is_weight_max"] for r in async_),
+        "truncated_fraction_max": max(r["off_policy/truncated_fraction"] for r in async_),
+    }
+    if args.json:
+        print(json.dumps(figures))
+    print(
+        f"pipeline: sync {s:.0f} steps/h, async {a:.0f} steps/h, ratio {a / s:.2f}, staleness max {staleness}"
+    )
+
+
+if __name__ == "__main__":
+    main()
