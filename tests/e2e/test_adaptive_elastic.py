@@ -46,8 +46,8 @@ from testenv.waiting import wait_for
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "adaptive-gpu-local.yaml"
 REWARD = REPO / "examples" / "rewards" / "length_phases.py"
-SHORT_FROM_STEP = int(os.environ.get("RLJOB_E2E_SHORT_FROM_STEP", "80"))
-MAX_STEPS = SHORT_FROM_STEP + 60
+SHORT_FROM_STEP = int(os.environ.get("RLJOB_E2E_SHORT_FROM_STEP", "60"))
+MAX_STEPS = SHORT_FROM_STEP + 50
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
