@@ -19,8 +19,8 @@ reconcile deletes them and creates the new ones. Adaptive mode calls `policy.dec
 telemetry history and reconciles its targets into `<job>-rollout-<j>` pods and
 `status.rollout.desired*`; rollout pods follow `elastic.plan_rollout_pods` (pure): above a lowered
 target they drain until the driver releases them (or `drainGraceSeconds`), and one whose engine
-was lost is recreated alone, never restarting the gang. No kopf timer or daemon: those would put a finalizer on every RLJob,
-and RLJobs would then outlive an uninstalled operator.
+was lost is recreated alone, never restarting the gang. No kopf timer or daemon: those would put
+a finalizer on every RLJob, and RLJobs would then outlive an uninstalled operator.
 
 Entry point: `run_operator(namespace)` (used by `rljob operator`), or
 `kopf run --standalone -m rljob_operator.handlers [--namespace NS | -A]`.
