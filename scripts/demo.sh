@@ -24,7 +24,11 @@ echo "==> nodes of the local cluster"
 kubectl get nodes -L rljob.io/accelerator
 echo "==> installing the RLJob CRD"
 kubectl apply -f crds/
-kubectl wait --for=condition=Established crd/rljobs.rljob.io --timeout=60s
+# Right after the create the CRD may have no conditions yet, and `kubectl wait` then errors out.
+for _ in $(seq 1 60); do
+  kubectl wait --for=condition=Established crd/rljobs.rljob.io --timeout=20s 2>/dev/null && break
+  sleep 1
+done
 
 for example in examples/qwen3.5-4b-gsm8k-adaptive.yaml examples/tiny-cpu.yaml; do
   echo "==> rljob plan -f $example"
