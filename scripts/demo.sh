@@ -79,7 +79,7 @@ kubectl apply -f "examples/$job.yaml"
 "$KUBECTL" get rljobs "$job" -w -o wide &
 watch_pid=$!
 phase=""
-for _ in $(seq 1 420); do
+for _ in $(seq 1 600); do
   phase=$(kubectl get rljob "$job" -o jsonpath='{.status.phase}' 2>/dev/null || true)
   case "$phase" in Succeeded|Failed) break ;; esac
   sleep 1
