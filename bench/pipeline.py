@@ -89,13 +89,18 @@ def run(cfg: config.TrainerConfig, workdir: Path, name: str) -> list[dict[str, A
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLJOB_")}
     env["PYTHONPATH"] = str(REPO / "trainer_image")
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rljob_trainer", "--config", str(path), "--metrics-jsonl", str(metrics)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    for attempt in range(3):
+        metrics.unlink(missing_ok=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "rljob_trainer", "--config", str(path), "--metrics-jsonl", str(metrics)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        # A loaded machine can miss Ray's fixed 30 s raylet start wait: start that run again.
+        if proc.returncode == 0 or "timed out during startup" not in proc.stderr or attempt == 2:
+            break
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-4000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]

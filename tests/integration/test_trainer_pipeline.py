@@ -12,7 +12,12 @@ engine's gloo group, and the node advertises `rljob_rollout_<j>` for every simul
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,10 +44,36 @@ def _cfg(**rollout: Any) -> Any:
     )
 
 
-@pytest.fixture
-def ray_driver(request: pytest.FixtureRequest) -> Iterator[driver.GRPODriver]:
+# Ray's workers inherit this process's environment when the node starts, so the hosts find the marker.
+HANG_MARKER = Path(tempfile.gettempdir()) / f"rljob-test-hang-{os.getpid()}"
+os.environ["RLJOB_TEST_HANG_MARKER"] = str(HANG_MARKER)
+
+
+def _ship_this_module_by_value() -> None:
+    """Ray workers cannot import this test module: pickle its classes (HangOnceHost) by value."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class HangOnceHost(runtimes.Host):
+    """`Host`, except that engine dedicated-1's first generate call after a marker file appears hangs
+    (the marker is consumed, so the engine that replaces it works): a stuck engine process."""
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        marker = Path(os.environ.get("RLJOB_TEST_HANG_MARKER", "/nonexistent"))
+        if method == "generate" and getattr(self.obj, "name", "") == "dedicated-1" and marker.exists():
+            marker.unlink()
+            time.sleep(3600)
+        return super().call(method, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def ray_node() -> Iterator[None]:
+    """One private Ray node for the module (starting one is the slow, load-sensitive part), with
+    the markers of two rollout pods."""
     ray = pytest.importorskip("ray")
-    cfg = _cfg(**getattr(request, "param", {}))
+    cfg = _cfg(dedicatedEngines=2)
     for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
         try:
             entry._start_ray_driver(cfg, {}, cfg.rollout.max_dedicated_engines)
@@ -51,13 +82,29 @@ def ray_driver(request: pytest.FixtureRequest) -> Iterator[driver.GRPODriver]:
             ray.shutdown()
             if attempt == 2:
                 raise
-    d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_driver(request: pytest.FixtureRequest, ray_node: None) -> Iterator[driver.GRPODriver]:
+    import ray
+
+    param = dict(getattr(request, "param", {}))
+    host_cls = param.pop("host_cls", None)
+    if host_cls is not None:
+        _ship_this_module_by_value()
+    cfg = _cfg(**param)
+    d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg, host_cls=host_cls))
     try:
         d.setup()
         yield d
     finally:
         d.shutdown()
-        ray.shutdown()
+        for eng in d.engines.values():  # the next test starts from an empty node
+            ray.kill(eng.handle)
+        for rank in d.ranks:
+            ray.kill(rank)
 
 
 def test_dedicated_engines_generate_ahead_within_the_staleness_bound(ray_driver: driver.GRPODriver) -> None:
@@ -131,3 +178,20 @@ def test_a_lowered_target_drains_the_engine_and_acknowledges_it(ray_driver: driv
     assert sorted(d.engines) == ["dedicated-0", "dedicated-1"]
     d.step()
     assert d.state.history[-1].released_rollout_pods == []
+
+
+@pytest.mark.parametrize(
+    "ray_driver", [{"dedicatedEngines": 2, "engineTimeoutS": 20, "host_cls": HangOnceHost}], indirect=True
+)
+def test_an_engine_hung_past_the_timeout_is_dropped(ray_driver: driver.GRPODriver) -> None:
+    d = ray_driver
+    d.step()
+    HANG_MARKER.touch()  # dedicated-1's next generate call never returns
+    t0 = time.monotonic()
+    m = d.step()
+    assert m["step"] == 2 and time.monotonic() - t0 >= 20
+    assert d.state.history[-1].lost_rollout_pods == [1]
+    assert not HANG_MARKER.exists()
+    assert d.engines["dedicated-1"].version == d.weights_version == 2  # a new engine, weights first
+    d.step()
+    assert d.state.history[-1].lost_rollout_pods == []

@@ -92,3 +92,22 @@ def test_prometheus_endpoint_serves_the_step_metrics():
     assert values["rljob_step"] == 4.0 and values["rljob_mean_reward"] == 0.5
     assert values["rljob_dp_balance_imbalance_after"] == pytest.approx(1.01)
     assert not any("note" in name for name in values), "non-numeric metrics are not exported"
+
+
+def test_rollout_pods_are_those_of_live_ray_nodes_only():
+    from rljob_trainer import runtimes
+
+    class Nodes:  # the shape of ray.nodes(): a dead node stays listed, with Alive false
+        @staticmethod
+        def nodes():
+            return [
+                {"NodeID": "a", "Alive": True, "Resources": {"rljob_trainer_0": 2, "CPU": 4}},
+                {"NodeID": "b", "Alive": True, "Resources": {"rljob_rollout_0": 1}},
+                {"NodeID": "c", "Alive": False, "Resources": {"rljob_rollout_1": 1}},
+                {"NodeID": "d", "Alive": True, "Resources": {"rljob_rollout_2": 1, "rljob_rollout_x": 1}},
+            ]
+
+    rt = object.__new__(runtimes.RayRuntime)
+    rt._ray = Nodes()
+    assert rt.rollout_pods() == [0, 2]
+    assert rt.node_pods() == {"a": ("trainer-0",), "b": ("rollout-0",), "d": ("rollout-2",)}

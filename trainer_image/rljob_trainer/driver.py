@@ -49,6 +49,9 @@ from rljob_trainer.engines import base
 log = logging.getLogger("rljob_trainer.driver")
 
 
+# How long a new engine may take to start (actor process, imports, model build) before it is lost.
+ENGINE_START_TIMEOUT_S = 300.0
+
 # The runtimes live in `rljob_trainer.runtimes`; these names stay importable from here.
 Host = runtimes.Host
 LocalRuntime = runtimes.LocalRuntime
@@ -251,7 +254,9 @@ class GRPODriver:
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
         self.engines[name] = _Engine(name, handle, colocated, pod_index)
-        self._settle({name: self.rt.submit(handle, "load")}, what="load")
+        # Starting an engine (process, imports, model) may take longer than any call of a running one.
+        start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
+        self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
         if name in self.engines and self._collective:
             self._join_weight_group(name)
         if name not in self.engines:
@@ -293,20 +298,22 @@ class GRPODriver:
             self._lost_pods.add(eng.pod_index)
         log.info("engine %s %s", name, "lost" if lost else "dropped")
 
-    def _settle(self, futures: dict[str, Any], *, what: str) -> dict[str, Any]:
-        """Results of one call per engine; an engine that died or did not answer within
-        rollout.engineTimeoutS is dropped as lost (absent from the result), never failing the job."""
+    def _settle(
+        self, futures: dict[str, Any], *, what: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Results of one call per engine; an engine that died or did not answer within `timeout_s`
+        (default rollout.engineTimeoutS) is dropped as lost (absent from the result), never failing
+        the job."""
         out: dict[str, Any] = {}
-        deadline = self.clock() + self.cfg.rollout.engine_timeout_s
+        timeout = self.cfg.rollout.engine_timeout_s if timeout_s is None else timeout_s
+        deadline = self.clock() + timeout
         pending = dict(futures)
         lost = self.rt.lost_errors()
         while pending:
             done = self.rt.wait_any(list(pending.values()), max(0.0, deadline - self.clock()))
             if not done:
                 for name in pending:
-                    log.warning(
-                        "engine %s: %s hung past %.0f s", name, what, self.cfg.rollout.engine_timeout_s
-                    )
+                    log.warning("engine %s: %s hung past %.0f s", name, what, timeout)
                     if name in self.engines:
                         self._drop_engine(name, lost=True)
                 break
@@ -387,7 +394,7 @@ class GRPODriver:
             for n in waking:
                 self.engines[n].asleep = False
         for name, eng in self.engines.items():
-            awake = not eng.colocated or name in serving
+            awake = (not eng.colocated and not eng.draining) or name in serving
             if eng.awake != awake:
                 eng.awake = awake
                 self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
