@@ -37,16 +37,20 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rljob_operator import policy
-from rljob_trainer import telemetry
+from rljob_trainer import telemetry, telemetry_sink
 
 
 @dataclass(frozen=True)
@@ -370,13 +374,180 @@ def format_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+# ---- the real driver ------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+REAL_EXAMPLE = REPO / "examples" / "adaptive-gpu-local.yaml"
+REAL_REWARD = REPO / "examples" / "rewards" / "length_phases.py"
+
+
+@dataclass
+class RealDecision:
+    t_s: float
+    step: int
+    action: str
+    shared_awake: int
+    dedicated: int
+    reason: str
+
+
+class PolicySink(telemetry_sink.TelemetrySink):
+    """The operator's half, in process: each SyncReport history the driver publishes goes through
+    `policy.decide()` with the state the operator would build (`handlers._adapt`), and the targets
+    come back at the driver's next `read_targets()`, as they would through `status.rollout`."""
+
+    def __init__(
+        self, settings: policy.PolicySettings, *, shared_total: int, total: int, trainer: int
+    ) -> None:
+        super().__init__(
+            enabled=False,
+            job_name="bench-adaptive",
+            namespace=None,
+            configmap_name=None,
+            prometheus_port=None,
+        )
+        self.settings, self.shared_total, self.total, self.trainer = settings, shared_total, total, trainer
+        self.shared_awake, self.dedicated, self.last_action_s = 0, 0, None
+        self.decisions: list[RealDecision] = []
+        self.reports: list[telemetry.SyncReport] = []
+        self.t0 = time.time()
+
+    def publish(self, history: Sequence[telemetry.SyncReport], metrics: Mapping[str, Any]) -> None:
+        r = history[-1]
+        self.reports.append(r)
+        waited = r.trainer_wait_s / max(r.interval_s, 1e-9)
+        print(
+            f"  t={time.time() - self.t0:6.1f}s step {r.step:>3} waited {waited:4.0%} of {r.interval_s:.2f}s,"
+            f" generation {r.generation_s:5.2f}s, response {r.response_len_mean:4.1f} tokens, "
+            f"engines {r.shared_engines_awake}+{r.dedicated_engines}",
+            flush=True,
+        )
+        state = policy.RolloutState(
+            shared_engines_total=self.shared_total,
+            shared_engines_awake=self.shared_awake,
+            dedicated_engines=self.dedicated,
+            idle_accelerators=max(0, self.total - self.trainer - self.dedicated),
+            last_action_time_s=self.last_action_s,
+        )
+        now = time.time()
+        d = policy.decide(state, history, self.settings, now)
+        if d.action == "none":
+            return
+        self.shared_awake, self.dedicated, self.last_action_s = (
+            d.desired_shared_awake,
+            d.desired_dedicated_engines,
+            now,
+        )
+        step = history[-1].step
+        self.decisions.append(
+            RealDecision(now - self.t0, step, d.action, self.shared_awake, self.dedicated, d.reason)
+        )
+        print(f"  t={now - self.t0:6.1f}s step {step:>3} {d.action}: {d.reason}", flush=True)
+
+    def read_targets(self) -> telemetry_sink.EngineTargets:
+        return telemetry_sink.EngineTargets(self.shared_awake, self.dedicated)
+
+    def write_history(self, history: Sequence[telemetry.SyncReport]) -> None:
+        del history
+
+
+def real_driver_run(*, steps: int, short_from_step: int, workdir: Path) -> dict[str, Any]:
+    """The real GRPO driver on `examples/adaptive-gpu-local.yaml` (rendered by the operator's own
+    planner and builders, torch on CPU as on the local-exec GPU nodes), on a private Ray node that
+    stands for trainer pod 0 and rollout pod 0: ranks and engines are Ray actors, i.e. their own
+    processes. Its reward asks for long answers until `short_from_step`, then for short ones, so
+    the waits the policy reads are the driver's own measurements."""
+    import ray
+    import yaml
+
+    from rljob_operator import api, builders, planning
+    from rljob_trainer import __main__ as trainer_main
+    from rljob_trainer import config as config_mod
+    from rljob_trainer import driver, runtimes
+
+    manifest = yaml.safe_load(REAL_EXAMPLE.read_text())
+    spec = api.RLJobSpec.model_validate(manifest["spec"])
+    model_config = dict(spec.model.config.inline or {})
+    plan = planning.plan_status(planning.plan_job(spec, model_config))
+    reward = workdir / "reward.py"
+    reward.write_text(
+        REAL_REWARD.read_text().replace("SHORT_FROM_STEP = 50", f"SHORT_FROM_STEP = {short_from_step}")
+    )
+    data = config_mod.cpu_standin(builders.render_trainer_config(spec, plan, model_config)).model_dump()
+    data["grpo"]["max_steps"] = steps
+    data["rewards"][0]["path"] = str(reward)
+    data["checkpoint"] = {"dir": None, "interval_steps": steps}
+    data["export"]["final"] = False
+    data["telemetry"].update(enabled=False, prometheus_port=None)
+    data["distributed"]["torch_threads_per_rank"] = 1
+    cfg = config_mod.TrainerConfig.model_validate(data)
+    settings = policy.PolicySettings.from_adaptive_spec(spec.resources.adaptive)
+    sink = PolicySink(
+        settings,
+        shared_total=plan.shared_engines or 0,
+        total=spec.resources.total_accelerators,
+        trainer=plan.trainer_accelerators or 0,
+    )
+    trainer_main._start_ray_driver(cfg, {}, local_rollout_pods=cfg.rollout.max_dedicated_engines)
+    try:
+        d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg), sink=sink)
+        try:
+            d.run(steps)
+        finally:
+            d.shutdown()
+    finally:
+        ray.shutdown()
+    reports = sink.reports
+
+    def median_step_s(keep: Callable[[telemetry.SyncReport], bool]) -> float | None:
+        gaps = [b.time - a.time for a, b in itertools.pairwise(reports) if keep(a) and keep(b)]
+        return sorted(gaps)[len(gaps) // 2] if len(gaps) >= 3 else None
+
+    shared_only = median_step_s(lambda r: r.dedicated_engines == 0 and r.step < short_from_step)
+    with_dedicated = median_step_s(lambda r: r.dedicated_engines >= 1 and r.step < short_from_step)
+    return {
+        "decisions": [asdict(x) for x in sink.decisions],
+        "step_s_shared_only": shared_only,
+        "step_s_with_dedicated": with_dedicated,
+        "wait_fraction": [
+            round(r.trainer_wait_s / r.interval_s, 2) if r.interval_s else 0.0 for r in reports
+        ],
+        "response_len": [round(r.response_len_mean, 1) for r in reports],
+    }
+
+
+def format_real(result: Mapping[str, Any]) -> str:
+    acts = ", ".join(f"{d['action']}@step{d['step']}({d['t_s']:.0f}s)" for d in result["decisions"]) or "none"
+    a, b = result["step_s_shared_only"], result["step_s_with_dedicated"]
+    speed = f"{a:.2f} -> {b:.2f} s/step ({a / b:.2f}x steps/h)" if a and b else "not measured"
+    return f"adaptive-real: decisions {acts}; generation-bound phase {speed}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="append", choices=sorted(TRACES), help="default: all")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="also run the real driver (Ray actors as processes, CPU) on examples/adaptive-gpu-local.yaml",
+    )
+    parser.add_argument("--real-steps", type=int, default=70)
+    parser.add_argument(
+        "--real-short-from", type=int, default=40, help="step the reward turns to short answers"
+    )
     args = parser.parse_args(argv)
+    if args.real:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"real driver: {args.real_steps} steps, short answers from step {args.real_short_from}")
+            real = real_driver_run(
+                steps=args.real_steps, short_from_step=args.real_short_from, workdir=Path(tmp)
+            )
+        print(json.dumps(real) if args.json else format_real(real))
+        return 0
     results = run_bench(args.trace or list(TRACES), steps=args.steps, seed=args.seed)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in results], "ratios": ratios(results)}, indent=2))

@@ -4,7 +4,9 @@
 #   2. bring up the local cluster (etcd, kube-apiserver, controller-manager, scheduler, fake
 #      GPU/NPU/CPU nodes) and install the RLJob CRD,
 #   3. print the estimator's plan of the example jobs,
-#   4. run the operator, apply examples/tiny-cpu.yaml and watch it train to Succeeded.
+#   4. run the operator, apply examples/tiny-cpu.yaml and watch it train to Succeeded,
+#   5. apply examples/adaptive-gpu-local.yaml and watch adaptive mode wake the shared engine, add a
+#      dedicated engine on the gpu-local pool and later drain it away (the DECISION column).
 # The trainer pods are scheduled and bound for real, and the cluster's cpu node runs them as
 # processes on this machine (testenv's local-exec kubelet): the tiny model really trains, two
 # gloo ranks over a Ray cluster that spans the two pod processes.
@@ -22,7 +24,11 @@ echo "==> nodes of the local cluster"
 kubectl get nodes -L rljob.io/accelerator
 echo "==> installing the RLJob CRD"
 kubectl apply -f crds/
-kubectl wait --for=condition=Established crd/rljobs.rljob.io --timeout=60s
+# Right after the create the CRD may have no conditions yet, and `kubectl wait` then errors out.
+for _ in $(seq 1 60); do
+  kubectl wait --for=condition=Established crd/rljobs.rljob.io --timeout=20s 2>/dev/null && break
+  sleep 1
+done
 
 for example in examples/qwen3.5-4b-gsm8k-adaptive.yaml examples/tiny-cpu.yaml; do
   echo "==> rljob plan -f $example"
@@ -59,6 +65,31 @@ echo "==> status.plan"
 kubectl get rljob tiny-cpu -o jsonpath='{.status.plan}'; echo
 echo
 [ "$phase" = "Succeeded" ] || { echo "tiny-cpu ended '$phase'; see .rljob/operator.log and the pod logs" >&2; exit 1; }
+
+# Elasticity: an adaptive job on the local-exec GPU pool (examples/adaptive-gpu-local.yaml). Its
+# reward first asks for long answers (generation is the bottleneck: the DECISION column shows
+# WakeShared, then AddDedicated and rollout pod 0 joining, ROLLOUT 2/2), then from step 50 for
+# short ones (the load falls: RemoveDedicated, the pod drains and goes, ROLLOUT back to 1/1).
+job=adaptive-gpu-local
+echo "==> adaptive mode on the gpu-local pool: $job (kubectl get rljobs -w -o wide)"
+kubectl delete rljob "$job" --ignore-not-found --timeout=60s
+kubectl create configmap "$job-reward" --from-file=reward.py=examples/rewards/length_phases.py \
+  --dry-run=client -o yaml | kubectl apply -f -
+kubectl apply -f "examples/$job.yaml"
+"$KUBECTL" get rljobs "$job" -w -o wide &
+watch_pid=$!
+phase=""
+for _ in $(seq 1 600); do
+  phase=$(kubectl get rljob "$job" -o jsonpath='{.status.phase}' 2>/dev/null || true)
+  case "$phase" in Succeeded|Failed) break ;; esac
+  sleep 1
+done
+kill "$watch_pid" 2>/dev/null || true
+echo "==> the adaptive decisions and rollout pod events of $job"
+kubectl get events --field-selector "involvedObject.name=$job" --sort-by=.lastTimestamp \
+  -o custom-columns=TIME:.lastTimestamp,REASON:.reason,MESSAGE:.message | cut -c1-220 \
+  | grep -E "TIME|Adaptive|RolloutPod|PodsCreated" || true
+[ "$phase" = "Succeeded" ] || { echo "$job ended '$phase'; see .rljob/operator.log and the pod logs" >&2; exit 1; }
 echo "The local cluster is still up. Use it with:"
 echo "  $export_line"
 echo "Stop it with: make cluster-down"

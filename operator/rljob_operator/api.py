@@ -856,6 +856,14 @@ class RolloutSpec(_Spec):
         "trainer trains and reload weights when they wake. false: they never sleep, and stay awake "
         "beside the trainer.",
     )
+    drain_grace_seconds: int = Field(
+        300,
+        ge=0,
+        le=86_400,
+        description="Two-phase scale-down: after adaptive mode lowers the dedicated engines, a rollout pod "
+        "above the target is deleted once the driver reports it released (no engine, no request left on "
+        "it), or this many seconds after the decision without that acknowledgement. 0: at once.",
+    )
     engine_timeout_seconds: float = Field(
         600.0,
         gt=0.0,
@@ -1362,6 +1370,13 @@ class PlanStatus(_Status):
     )
 
 
+class DrainingPod(_Status):
+    """A rollout pod the operator waits on before deleting it (two-phase scale-down)."""
+
+    index: int = Field(..., ge=0, description="Rollout pod index (pod <job>-rollout-<index>).")
+    since: Timestamp = Field(..., description="When the target dropped below it: the drain's start.")
+
+
 class RolloutStatus(_Status):
     """Rollout engines now and what adaptive mode last decided."""
 
@@ -1386,6 +1401,17 @@ class RolloutStatus(_Status):
         None, description="Why, with the measured signal and thresholds."
     )
     last_decision_time: Timestamp | None = Field(None, description="When the last decision was made.")
+    draining_pods: list[DrainingPod] | None = Field(
+        None,
+        description="Rollout pods above the dedicated target, kept until the driver releases them "
+        "(two-phase scale-down) or resources.rollout.drainGraceSeconds pass.",
+    )
+    replaced_pods: int | None = Field(
+        None,
+        ge=0,
+        description="Rollout pods recreated alone after their engine was lost (failed, evicted, deleted or "
+        "reported lost by the driver); never a gang restart, never counted in failures.",
+    )
 
     @model_validator(mode="after")
     def _fill_engines_awake_total(self) -> RolloutStatus:

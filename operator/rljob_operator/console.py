@@ -158,6 +158,18 @@ def _fields(obj: Mapping[str, Any], fields: Sequence[tuple[str, str]]) -> str:
     return "  " + ", ".join(f"{label} {obj.get(key, '-')}" for label, key in fields)
 
 
+def _elastic_lines(roll: Mapping[str, Any]) -> list[str]:
+    """Rollout pods draining before they go, and those recreated alone after an engine loss."""
+    out = []
+    draining = roll.get("drainingPods") or []
+    if draining:
+        pods = ", ".join(f"rollout-{d.get('index')} (since {d.get('since')})" for d in draining)
+        out.append(f"  draining {pods}")
+    if roll.get("replacedPods"):
+        out.append(f"  rollout pods replaced after an engine loss: {roll['replacedPods']}")
+    return out
+
+
 def render_status(view: Mapping[str, Any], *, now: datetime, width: int = 100, plots: bool = True) -> str:
     """The `rljob status` text for one job."""
     st = view["status"]
@@ -178,6 +190,7 @@ def render_status(view: Mapping[str, Any], *, now: datetime, width: int = 100, p
         f"  export {prog.get('exportPath') or '-'}",
         "Rollout:",
         _fields(roll, ROLLOUT),
+        *_elastic_lines(roll),
         "",
         "Conditions:",
     ]

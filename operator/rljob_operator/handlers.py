@@ -22,8 +22,10 @@ disruption (eviction, preemption, lost node) restarts it at once and is not coun
 attempt is written to the status first (it is what marks the old pods stale); the next
 reconcile deletes them and creates the new ones. Adaptive mode calls `policy.decide()` on the
 telemetry history and reconciles its targets into `<job>-rollout-<j>` pods and
-`status.rollout.desired*`. No kopf timer or daemon: those would put a finalizer on every RLJob,
-and RLJobs would then outlive an uninstalled operator.
+`status.rollout.desired*`; rollout pods follow `elastic.plan_rollout_pods` (pure): above a lowered
+target they drain until the driver releases them (or `drainGraceSeconds`), and one whose engine
+was lost is recreated alone, never restarting the gang. No kopf timer or daemon: those would put
+a finalizer on every RLJob, and RLJobs would then outlive an uninstalled operator.
 
 Entry point: `run_operator(namespace)` (used by `rljob operator`), or
 `kopf run --standalone -m rljob_operator.handlers [--namespace NS | -A]`.
@@ -38,6 +40,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -53,6 +56,7 @@ from rljob_operator import (
     admission,
     api,
     builders,
+    elastic,
     errors,
     kube,
     metrics,
@@ -719,6 +723,8 @@ def _vanished_pods(ctx: _Ctx) -> dict[str, str]:
     out = {}
     for name in sorted(set(known) - present - {n for n, _ in ours}):
         role = names.parse_pod_name(ctx.job.name, name)
+        if role is not None and role[0] == names.ROLE_ROLLOUT:
+            continue  # a rollout pod is recreated alone by the pod diff, whatever took it
         if name in disrupted:
             out[name] = f"pod {name} was disrupted ({disrupted[name][1]})"
         elif role is not None and role[0] == names.ROLE_TRAINER:
@@ -811,8 +817,17 @@ async def _step_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed,
     if seen.gang is not None and seen.gang[0]:  # members join the job's PodGroup (`_step_gang`)
         assert seen.plan is not None
         desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
-    diff = reconcile.diff_pods(desired, ctx.pods, ctx.attempt)
-    await _delete_pods(ctx, diff.delete, why="stale")
+    seen, elastic_plan = _plan_rollout_pods(ctx, seen)
+    diff = reconcile.diff_pods(
+        desired,
+        ctx.pods,
+        ctx.attempt,
+        keep=elastic_plan.keep,
+        replace=[r.name for r in elastic_plan.replace],
+    )
+    lost = {r.name for r in elastic_plan.replace}
+    await _delete_pods(ctx, [n for n in diff.delete if n not in lost], why="stale")
+    await _delete_pods(ctx, [n for n in diff.delete if n in lost], why="engine-lost")
     for pod in diff.create:
         kopf.adopt(pod, owner=ctx.body)
     # Independent objects (each create idempotent): one round trip for all, not one per pod.
@@ -1073,6 +1088,51 @@ async def _finish_workloads(ctx: _Ctx) -> None:
         await ctx.state.kube.apply_workload_status(
             admission.condition_apply(wl, cond), admission.FINISHED_FIELD_MANAGER
         )
+
+
+def _plan_rollout_pods(ctx: _Ctx, seen: status.Observed) -> tuple[status.Observed, elastic.RolloutPodsPlan]:
+    """Drains and lone replacements of rollout pods (`elastic.plan_rollout_pods`, pure), their
+    Events, and the open drains and replacement count for `status.rollout`."""
+    spec = _spec_of(seen)
+    assert seen.layout is not None
+    rollout = seen.rollout or ctx.old.rollout or api.RolloutStatus()
+    plan = elastic.plan_rollout_pods(
+        ctx.pods,
+        attempt=ctx.attempt,
+        target=seen.layout.rollout_pods,
+        draining=rollout.draining_pods or [],
+        reports=_reports(ctx),
+        grace_s=spec.resources.rollout.drain_grace_seconds,
+        now=ctx.now,
+        node_names=frozenset(n.name for n in ctx.nodes_index.get("nodes", [])),
+    )
+    pod = functools.partial(names.pod_name, ctx.job.name, names.ROLE_ROLLOUT)
+    started = sorted({d.index for d in plan.draining} - {d.index for d in rollout.draining_pods or []})
+    if started:
+        what = ", ".join(map(pod, started))
+        _post(ctx, "Normal", "RolloutPodDraining", f"{what}: draining, deleted once the driver releases it")
+    if plan.released:
+        what = ", ".join(map(pod, plan.released))
+        _post(ctx, "Normal", "RolloutPodReleased", f"the driver released {what}: deleting it")
+    if plan.expired:
+        what = ", ".join(map(pod, plan.expired))
+        _post(
+            ctx,
+            "Normal",
+            "RolloutPodDrained",
+            f"{what}: not running, or no release within drainGraceSeconds: deleting it",
+        )
+    if plan.replace:
+        why = "; ".join(r.why for r in plan.replace)
+        _post(ctx, "Warning", "RolloutPodReplaced", f"{why}: recreating it alone (the trainers keep running)")
+    if plan.retry_s is not None:
+        ctx.retry(plan.retry_s, "a rollout pod's drain grace ends")
+    update: dict[str, Any] = {"draining_pods": list(plan.draining) or None}
+    if plan.replace:
+        update["replaced_pods"] = (rollout.replaced_pods or 0) + len(plan.replace)
+    if (rollout.draining_pods or None) != update["draining_pods"] or plan.replace:
+        seen = dataclasses.replace(seen, rollout=rollout.model_copy(update=update))
+    return seen, plan
 
 
 #: The reconcile, in order. Each step returns what it observed; `compute_status` reads it all once.

@@ -48,6 +48,17 @@ class PodObservation:
     waiting_message: str = ""
     disruption: str = ""
     termination_message: str = ""
+    created: float | None = None  # metadata.creationTimestamp, unix s
+
+
+def _unix(stamp: Any) -> float | None:
+    """A Kubernetes timestamp (RFC 3339, `Z`) as unix seconds; None when absent or unreadable."""
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +135,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         waiting_message=waiting_message,
         disruption=disruption,
         termination_message=termination_message[-1024:],
+        created=_unix(meta.get("creationTimestamp")),
     )
 
 
@@ -207,13 +219,15 @@ def decide_restart(
 ) -> RestartDecision:
     """Succeeded, failed, disrupted or still running: the decision for the current attempt.
 
-    Pods of older attempts are ignored (their end was already counted). A disruption (a pod with a
-    `DisruptionTarget` condition or evicted by its kubelet, a pod whose node is gone, or a trainer
-    pod that vanished while the others still run) restarts the whole gang at once and does not count
+    Pods of older attempts are ignored (their end was already counted), and so are rollout pods: a
+    dedicated engine's pod that fails or is taken away is replaced alone, never the gang, and counts
+    neither as a failure nor as a disruption. A disruption of a trainer pod (a `DisruptionTarget`
+    condition or evicted by its kubelet, its node gone, or vanished while the others still run)
+    restarts the whole gang at once and does not count
     against `backoffLimit`, like Job's `podFailurePolicy` Ignore rule: the Ray cluster and the
-    torch.distributed group cannot take a replaced member. `vanished` maps pods of this attempt
-    that are gone (not deleted by the operator) to why: seen with a DisruptionTarget, or a trainer
-    pod lost from its Ray cluster. A failure counts; the same termination
+    torch.distributed group cannot take a replaced member. `vanished` maps trainer pods of this
+    attempt that are gone (not deleted by the operator) to why: seen with a DisruptionTarget, or
+    lost from its Ray cluster. A failure counts; the same termination
     message twice in a row is deterministic and ends the job instead of burning the backoff.
     """
     current = [p for p in pods if p.attempt == attempt]
@@ -223,7 +237,9 @@ def decide_restart(
             return RestartDecision(
                 "succeeded", reason="TrainingSucceeded", cause="trainer pod 0 exited 0", **same
             )
-    order = sorted(current, key=lambda p: (p.role != names.ROLE_TRAINER, p.index))
+    # Only trainer pods decide the attempt: a rollout pod that fails, is evicted or loses its node
+    # is recreated alone (`elastic.replace_lost_rollout_pods`), its engine dropped by the driver.
+    order = sorted((p for p in current if p.role == names.ROLE_TRAINER), key=lambda p: p.index)
     lost: list[tuple[PodObservation | None, str]] = [
         (p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))
     ]
@@ -304,12 +320,19 @@ def _desired_key(pod: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def diff_pods(
-    desired: Sequence[Mapping[str, Any]], observed: Iterable[PodObservation], attempt: int
+    desired: Sequence[Mapping[str, Any]],
+    observed: Iterable[PodObservation],
+    attempt: int,
+    *,
+    keep: Iterable[str] = (),
+    replace: Iterable[str] = (),
 ) -> PodDiff:
     """Make the observed pods match `desired` (built for `attempt`).
 
-    - delete: pods of another attempt, pods not desired (scaled down), and pods whose template
-      hash differs from the desired one; if any trainer pod is out of date, every trainer pod of
+    - delete: pods of another attempt, pods not desired (scaled down) unless named in `keep` (a
+      rollout pod still draining), pods named in `replace` (a rollout pod whose engine was lost:
+      recreated alone once gone), and pods whose template hash differs from the desired one; if
+      any trainer pod is out of date, every trainer pod of
       the job goes (the Ray cluster and the torch.distributed group are all-or-nothing).
     - create: desired pods with no pod of that name, in the order given (trainer 0 first); a name
       still held by a terminating or to-be-deleted pod waits for the next reconcile.
@@ -317,9 +340,11 @@ def diff_pods(
     """
     by_name = {p.name: p for p in observed}
     wanted = dict(_desired_key(d) for d in desired)
-    doomed: set[str] = set()
+    kept, replaced = set(keep), set(replace) & set(by_name)
+    doomed: set[str] = set(replaced)
     for p in by_name.values():
-        if p.attempt != attempt or p.name not in wanted or p.template_hash != wanted[p.name]:
+        stale = p.attempt != attempt or p.template_hash != wanted.get(p.name, p.template_hash)
+        if stale or (p.name not in wanted and p.name not in kept):
             doomed.add(p.name)
     if any(by_name[n].role == names.ROLE_TRAINER for n in doomed if n in wanted):
         doomed |= {p.name for p in by_name.values() if p.role == names.ROLE_TRAINER}

@@ -465,16 +465,25 @@ def status_patch(old: Mapping[str, Any] | None, new: api.RLJobStatus) -> dict[st
     """The merge patch for `.status`, or None when nothing changed (so nothing is written).
 
     Compares the canonical JSON of both (timestamps at whole seconds), so a reconcile that finds
-    the world unchanged makes no API call. Keys that disappeared are sent as null.
+    the world unchanged makes no API call. Keys that disappeared, also inside nested objects
+    (`rollout.drainingPods` once the drain ends), are sent as null.
     """
     old_parsed = api.RLJobStatus.model_validate(old or {}).to_k8s()
     new_json = new.to_k8s()
     if old_parsed == new_json:
         return None
-    patch: dict[str, Any] = dict(new_json)
-    for key in old_parsed:
-        if key not in new_json:
+    return _merge_patch(old_parsed, new_json)
+
+
+def _merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` as a JSON merge patch over `old`: keys gone at any depth of nested objects are null
+    (a merge patch merges objects key by key, so an absent key would keep its old value)."""
+    patch: dict[str, Any] = dict(new)
+    for key, before in old.items():
+        if key not in new:
             patch[key] = None
+        elif isinstance(before, Mapping) and isinstance(new[key], Mapping):
+            patch[key] = _merge_patch(before, new[key])
     return patch
 
 

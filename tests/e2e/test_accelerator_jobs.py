@@ -50,10 +50,12 @@ def crd(cluster: Any) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     wait_for(
         "the RLJob CRD established",
-        lambda: cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=20s", check=False
-        ).returncode
-        == 0,
+        lambda: (
+            cluster.kubectl(
+                "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=20s", check=False
+            ).returncode
+            == 0
+        ),
         90,
         interval_s=1.0,
     )

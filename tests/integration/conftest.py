@@ -27,10 +27,12 @@ def crd(cluster: Any) -> None:
     # `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine.
     wait_for(
         "the RLJob CRD Established",
-        lambda: cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
-        ).returncode
-        == 0,
+        lambda: (
+            cluster.kubectl(
+                "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
+            ).returncode
+            == 0
+        ),
         90,
         interval_s=1.0,
     )

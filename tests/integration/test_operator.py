@@ -467,9 +467,12 @@ def test_semantic_errors_become_conditions_not_crash_loops(
     assert runner.exception is None
 
 
-def _report(step: int, t: float, *, pressured: bool, shared_awake: int, dedicated: int) -> dict[str, Any]:
+def _report(
+    step: int, t: float, *, pressured: bool, shared_awake: int, dedicated: int, **extra: Any
+) -> dict[str, Any]:
     wait, busy_s = (6.0, 80.0) if pressured else (0.0, 0.5)
     return {
+        **extra,
         "step": step,
         "time": t,
         "intervalS": 10.0,
@@ -501,7 +504,7 @@ def test_adaptive_reports_wake_then_scale_up_then_back_down(
             "acceleratorsPerNode": 8,
             "mode": "adaptive",
             "static": {"trainerAccelerators": 8, "rolloutAccelerators": 0},
-            "rollout": {"tensorParallel": 8},
+            "rollout": {"tensorParallel": 8, "drainGraceSeconds": 6},
             "adaptive": {
                 "wakeAfterPressuredSyncPoints": 2,
                 "scaleUpAfterPressuredSyncPoints": 2,
@@ -512,13 +515,13 @@ def test_adaptive_reports_wake_then_scale_up_then_back_down(
     )
     step = 0
 
-    def feed(pressured: bool, shared_awake: int, dedicated: int, count: int = 2) -> None:
+    def feed(pressured: bool, shared_awake: int, dedicated: int, count: int = 2, **extra: Any) -> None:
         nonlocal step
         reports = []
         for _ in range(count):
             step += 1
             reports.append(_report(step, time.time() + 1.5, pressured=pressured, shared_awake=shared_awake,
-                                   dedicated=dedicated))  # fmt: skip
+                                   dedicated=dedicated, **extra))  # fmt: skip
         patch = {"data": {"reports.json": json.dumps(reports)}}
         cluster.kubectl(
             "patch", "configmap", "ada-telemetry", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
@@ -556,8 +559,81 @@ def test_adaptive_reports_wake_then_scale_up_then_back_down(
                 if not p["metadata"].get("deletionTimestamp")
             ]
 
-        wait_for("rollout pod removed", lambda: live() == ["ada-trainer-0"])
+        # Two-phase scale-down: the pod drains until the driver releases it (no ack yet: it stays).
+        draining = wait_for("drain recorded", lambda: rollout("drainingPods"), 30)
+        assert [d["index"] for d in draining] == [0]
+        time.sleep(2)
+        assert live() == ["ada-rollout-0", "ada-trainer-0"], "deleted before the driver released it"
+        feed(pressured=False, shared_awake=1, dedicated=0, count=1, releasedRolloutPods=[0])
+        released_at = time.monotonic()
+        wait_for("rollout pod removed on the ack", lambda: live() == ["ada-trainer-0"], 30)
+        assert time.monotonic() - released_at < 6, "removed by the grace period, not by the ack"
+        assert not rollout("drainingPods")
+
+        # Again without an ack: the pod goes after drainGraceSeconds (6 s), and the job runs on.
+        time.sleep(2)
+        feed(pressured=True, shared_awake=1, dedicated=0)
+        wait_for("scale-up again", lambda: rollout("desiredDedicatedEngines") == 1, 30)
+        wait_for("rollout pod back", running_pods(cluster, namespace, "ada", 2), 30)
+        time.sleep(2)
+        feed(pressured=False, shared_awake=1, dedicated=1)
+        wait_for("scale-down again", lambda: rollout("drainingPods"), 30)
+        drained_at = time.monotonic()
+        wait_for("rollout pod removed after the grace", lambda: live() == ["ada-trainer-0"], 30)
+        assert time.monotonic() - drained_at >= 3, "deleted long before drainGraceSeconds"
+        st = job_status(cluster, namespace, "ada")
+        assert st["phase"] == "Running" and not st.get("restarts") and not st.get("failures"), st
         events = cluster.kubectl(
             "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=ada"
         ).stdout
         assert "AdaptiveWakeShared" in events and "AdaptiveAddDedicated" in events
+        assert "RolloutPodDraining" in events and "RolloutPodReleased" in events
+        assert "RolloutPodDrained" in events
+
+
+def test_lost_rollout_pod_is_recreated_alone(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    """A dedicated engine's pod that fails, is deleted, or is reported lost by the driver comes
+    back alone: the trainer pods keep their UIDs, restarts and failures stay 0."""
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("eng", pool_name))
+        first = wait_for("3 running pods", running_pods(cluster, namespace, "eng", 3))
+        uid = {p["metadata"]["name"]: p["metadata"]["uid"] for p in first}
+
+        def replaced(since: dict[str, str]) -> dict[str, str] | None:
+            items = running_pods(cluster, namespace, "eng", 3)()
+            now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in items}
+            return now if items and now["eng-rollout-0"] != since["eng-rollout-0"] else None
+
+        # 1. the pod fails (its ray worker exited)
+        cluster.fail_pod(namespace, "eng-rollout-0", exit_code=1)
+        second = wait_for("the rollout pod recreated", lambda: replaced(uid), 60)
+        for name in ("eng-trainer-0", "eng-trainer-1"):
+            assert second[name] == uid[name], "the trainer gang was restarted"
+        # 2. the pod is deleted outside the operator
+        cluster.kubectl("delete", "pod", "eng-rollout-0", "-n", namespace, "--wait=false")
+        third = wait_for("the deleted rollout pod recreated", lambda: replaced(second), 60)
+        # 3. the driver reports the engine lost (hung past engineTimeoutSeconds): the pod is
+        # replaced once, not again on the next reconciles that read the same report
+        # the report's interval must begin after the pod's creation (whole seconds): an engine lost
+        # in that interval ran on this pod, not on one replaced since
+        time.sleep(2.5)
+        lost = _report(5, time.time(), pressured=False, shared_awake=0, dedicated=1, lostRolloutPods=[0])
+        lost["intervalS"] = 1.0
+        cluster.kubectl("patch", "configmap", "eng-telemetry", "-n", namespace, "--type=merge",
+                        "-p", json.dumps({"data": {"reports.json": json.dumps([lost])}}))  # fmt: skip
+        fourth = wait_for("the lost engine's pod replaced", lambda: replaced(third), 60)
+        time.sleep(3)
+        again = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, namespace, "eng")}
+        assert again == fourth, "the same lost report replaced the pod twice"
+        for name in ("eng-trainer-0", "eng-trainer-1"):
+            assert fourth[name] == uid[name], "the trainer gang was restarted"
+        st = job_status(cluster, namespace, "eng")
+        assert st["phase"] == "Running" and not st.get("restarts") and not st.get("failures"), st
+        assert not st.get("disruptions") and st["rollout"]["replacedPods"] == 2, st
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=eng"
+        ).stdout
+        assert "RolloutPodReplaced" in events

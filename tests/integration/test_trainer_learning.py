@@ -63,9 +63,7 @@ def test_grpo_two_ranks_learns_and_resumes(tmp_path):
     rows = _read(metrics)
     assert [r["step"] for r in rows] == list(range(1, 161))
     start, end = _mean([r["mean_reward"] for r in rows[:20]]), _mean([r["mean_reward"] for r in rows[-20:]])
-    print(
-        f"toy GRPO, 2 ranks: mean reward {start:.3f} (steps 1-20) -> {end:.3f} (141-160), {wall_s:.0f} s"
-    )
+    print(f"toy GRPO, 2 ranks: mean reward {start:.3f} (steps 1-20) -> {end:.3f} (141-160), {wall_s:.0f} s")
     assert start < 0.15
     assert end > start + 0.25, f"reward did not rise: {start:.3f} -> {end:.3f}"
     # The DP-balance planner ran on every step and telemetry saw the engines work.

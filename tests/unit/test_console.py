@@ -91,3 +91,17 @@ def test_cli_registers_status_and_logs() -> None:
         and console.pod_for("tiny-cpu", args.pod) == ("tiny-cpu-trainer-1")
     )
     assert console.pod_for("tiny-cpu", "tiny-cpu-rollout-0") == "tiny-cpu-rollout-0"
+
+
+def test_status_shows_draining_and_replaced_rollout_pods() -> None:
+    rollout = {
+        **RLJOB["status"]["rollout"],
+        "drainingPods": [{"index": 1, "since": "2026-12-01T07:59:30Z"}],
+        "replacedPods": 2,
+    }
+    job = {**RLJOB, "status": {**RLJOB["status"], "rollout": rollout}}
+    text = console.render_status(console.build_status_view(job, [], []), now=NOW, plots=False)
+    assert "draining rollout-1 (since 2026-12-01T07:59:30Z)" in text
+    assert "replaced after an engine loss: 2" in text
+    plain = console.render_status(console.build_status_view(RLJOB, [], []), now=NOW, plots=False)
+    assert "draining" not in plain and "replaced" not in plain

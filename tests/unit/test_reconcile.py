@@ -322,3 +322,36 @@ def test_diff_never_creates_a_name_that_exists(present: list[str], attempt: int,
     assert created | set(d.waiting) | {p.name for p in pods if p.name not in d.delete} >= {
         p["metadata"]["name"] for p in want
     }
+
+
+def test_rollout_pods_never_decide_the_attempt() -> None:
+    """A dedicated engine's pod that fails or is taken away is replaced alone (elastic): the
+    gang keeps running and restarts/failures/disruptions stay as they are."""
+    trainers = [obs("demo-trainer-0"), obs("demo-trainer-1")]
+    failed = decide([*trainers, obs("demo-rollout-0", "Failed")], failures=1)
+    assert (failed.action, failed.attempt, failed.failures, failed.disruptions) == ("run", 0, 1, 0)
+    evicted = dataclasses.replace(obs("demo-rollout-1"), disruption="EvictionByEvictionAPI")
+    assert decide([*trainers, evicted]).action == "run"
+    gone = dataclasses.replace(obs("demo-rollout-1"), node_name="n2")  # its node was deleted
+    assert decide([*trainers, gone]).action == "run"
+    # a trainer pod failure still restarts the gang, counted
+    both = decide([obs("demo-trainer-0"), obs("demo-trainer-1", "Failed"), obs("demo-rollout-0", "Failed")])
+    assert both.action == "restart" and both.failures == 1 and both.pod is not None
+    assert both.pod.name == "demo-trainer-1"
+
+
+def test_diff_keeps_draining_pods_and_replaces_lost_ones() -> None:
+    current = observed_from(desired())
+    kept = reconcile.diff_pods(desired(dedicated=1), current, 0, keep=["demo-rollout-1"])
+    assert kept == reconcile.PodDiff()
+    lost = reconcile.diff_pods(desired(), current, 0, replace=["demo-rollout-0"])
+    assert lost.delete == ("demo-rollout-0",) and lost.create == () and lost.waiting == ("demo-rollout-0",)
+    # the trainers are untouched by a rollout pod's replacement
+    assert not any("trainer" in n for n in lost.delete)
+
+
+def test_observe_pod_reads_the_creation_time() -> None:
+    pod = desired()[0]
+    pod = {**pod, "metadata": {**pod["metadata"], "creationTimestamp": "2026-01-01T00:00:10Z"}}
+    o = reconcile.observe_pod(pod)
+    assert o is not None and o.created == 1767225610.0

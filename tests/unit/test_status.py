@@ -239,6 +239,16 @@ def test_status_patch_only_when_changed() -> None:
     assert patch is not None and patch["completionTime"] is None
 
 
+def test_status_patch_nulls_keys_gone_from_nested_objects() -> None:
+    """A merge patch keeps a nested key it does not mention: an ended drain must send null."""
+    draining = {"index": 1, "since": "2026-01-01T00:00:00Z"}
+    old = {"rollout": {"desiredDedicatedEngines": 1, "drainingPods": [draining]}, "restarts": 0}
+    new = api.RLJobStatus.model_validate({"rollout": {"desiredDedicatedEngines": 1}, "restarts": 0})
+    patch = status.status_patch(old, new)
+    assert patch is not None and patch["rollout"]["drainingPods"] is None
+    assert patch["rollout"]["desiredDedicatedEngines"] == 1
+
+
 def test_transitions_and_event_types() -> None:
     a = compute(pods=ALL_RUNNING[:1])
     b = compute(old=a, now=T1, pods=ALL_RUNNING)

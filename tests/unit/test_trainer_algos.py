@@ -49,8 +49,11 @@ def test_clipped_loss_and_aggregation_match_reference(rows, mode):
     lp, olp, adv, seq, m = (list(c) for c in zip(*rows, strict=True))
     mask = [float(x) for x in m]
     per_tok, _ = algos.clipped_policy_loss(
-        torch.tensor(lp, dtype=torch.float64), torch.tensor(olp, dtype=torch.float64),
-        torch.tensor(adv, dtype=torch.float64), clip_low=0.2, clip_high=0.28,
+        torch.tensor(lp, dtype=torch.float64),
+        torch.tensor(olp, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64),
+        clip_low=0.2,
+        clip_high=0.28,
     )
     ref = algos.clipped_policy_loss_reference(lp, olp, adv, clip_low=0.2, clip_high=0.28)
     assert per_tok.tolist() == pytest.approx(ref, rel=1e-9, abs=1e-9)

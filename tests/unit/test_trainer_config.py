@@ -62,9 +62,17 @@ def test_other_validation_rules():
 
 def test_env_names_match_contract():
     assert config.ALL_ENV_VARS == (
-        "RLJOB_CONFIG_PATH", "RLJOB_ROLE", "RLJOB_POD_INDEX", "RLJOB_JOB_NAME", "RLJOB_NAMESPACE",
-        "RLJOB_RAY_HEAD", "RLJOB_RAY_PORT", "RLJOB_NUM_TRAINER_PODS", "RLJOB_TELEMETRY_CONFIGMAP",
-        "RLJOB_NUM_ACCELERATORS", "RLJOB_RAY_ACCELERATOR",
+        "RLJOB_CONFIG_PATH",
+        "RLJOB_ROLE",
+        "RLJOB_POD_INDEX",
+        "RLJOB_JOB_NAME",
+        "RLJOB_NAMESPACE",
+        "RLJOB_RAY_HEAD",
+        "RLJOB_RAY_PORT",
+        "RLJOB_NUM_TRAINER_PODS",
+        "RLJOB_TELEMETRY_CONFIGMAP",
+        "RLJOB_NUM_ACCELERATORS",
+        "RLJOB_RAY_ACCELERATOR",
     )
     # The test kubelet's CPU stand-in switch is not part of what the operator sets.
     assert config.ENV_TEST_CPU_STANDIN not in config.ALL_ENV_VARS
@@ -84,9 +92,20 @@ def test_config_and_telemetry_import_without_torch():
 
 def _report(step: int) -> telemetry.SyncReport:
     return telemetry.SyncReport(
-        step=step, time=1000.0 + step, interval_s=2.0, trainer_wait_s=0.5, generation_s=1.5,
-        training_s=0.5, inflight_request_seconds=6.0, engine_seconds=4.0, snapshot_inflight=0,
-        shared_engines_awake=1, dedicated_engines=1, mean_reward=0.25, loss=0.1, tokens_per_s=100.0,
+        step=step,
+        time=1000.0 + step,
+        interval_s=2.0,
+        trainer_wait_s=0.5,
+        generation_s=1.5,
+        training_s=0.5,
+        inflight_request_seconds=6.0,
+        engine_seconds=4.0,
+        snapshot_inflight=0,
+        shared_engines_awake=1,
+        dedicated_engines=1,
+        mean_reward=0.25,
+        loss=0.1,
+        tokens_per_s=100.0,
         response_len_mean=12.0,
     )
 
@@ -94,10 +113,25 @@ def _report(step: int) -> telemetry.SyncReport:
 def test_sync_report_json_is_camel_case():
     data = json.loads(telemetry.dump_reports([_report(1)]))[0]
     assert set(data) == {
-        "step", "time", "intervalS", "trainerWaitS", "generationS", "trainingS",
-        "inflightRequestSeconds", "engineSeconds", "snapshotInflight", "sharedEnginesAwake",
-        "dedicatedEngines", "meanReward", "loss", "tokensPerS", "responseLenMean", "exportPath",
-        "releasedRolloutPods", "lostRolloutPods", "stalenessMax",
+        "step",
+        "time",
+        "intervalS",
+        "trainerWaitS",
+        "generationS",
+        "trainingS",
+        "inflightRequestSeconds",
+        "engineSeconds",
+        "snapshotInflight",
+        "sharedEnginesAwake",
+        "dedicatedEngines",
+        "meanReward",
+        "loss",
+        "tokensPerS",
+        "responseLenMean",
+        "exportPath",
+        "releasedRolloutPods",
+        "lostRolloutPods",
+        "stalenessMax",
     }
 
 

@@ -13,8 +13,12 @@ from rljob_trainer.__main__ import ray_head_command, ray_worker_command
 def test_ray_worker_commands_from_pod_env():
     env = {"RLJOB_RAY_HEAD": "job-trainer-0.job.ns.svc", "RLJOB_RAY_PORT": "6379"}
     assert ray_worker_command(env, "trainer", 1) == [
-        "ray", "start", "--address=job-trainer-0.job.ns.svc:6379", "--num-gpus=0",
-        '--resources={"rljob_trainer_1": 1}', "--block",
+        "ray",
+        "start",
+        "--address=job-trainer-0.job.ns.svc:6379",
+        "--num-gpus=0",
+        '--resources={"rljob_trainer_1": 1}',
+        "--block",
     ]
     cmd = ray_worker_command(env, "rollout", 3)
     assert json.loads(cmd[-2].split("=", 1)[1]) == {"rljob_rollout_3": 1}
