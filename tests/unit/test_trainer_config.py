@@ -129,6 +129,8 @@ def test_sync_report_json_is_camel_case():
         "tokensPerS",
         "responseLenMean",
         "exportPath",
+        "checkpointAck",
+        "checkpointAckStep",
         "releasedRolloutPods",
         "lostRolloutPods",
         "stalenessMax",
