@@ -533,9 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also run the real driver (Ray actors as processes, CPU) on examples/adaptive-gpu-local.yaml",
     )
-    parser.add_argument("--real-steps", type=int, default=70)
+    parser.add_argument("--real-steps", type=int, default=80)
     parser.add_argument(
-        "--real-short-from", type=int, default=40, help="step the reward turns to short answers"
+        "--real-short-from", type=int, default=30, help="step the reward turns to short answers"
     )
     args = parser.parse_args(argv)
     if args.real:
