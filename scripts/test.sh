@@ -13,5 +13,5 @@ echo "==> CRD is generated from the API models" >&2
 .venv/bin/rljob crd --check
 echo "==> pytest" >&2
 # Two xdist workers, each with its own control plane on free ports: the e2e jobs spend much of
-# their time waiting on process start-up (the whole suite: 25 min measured on 2 cores; the slowest tests are listed at the end).
+# their time waiting on process start-up (the whole suite: 25–30 min measured on 2 cores; the slowest tests are listed at the end).
 exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" --durations=25 "$@"
