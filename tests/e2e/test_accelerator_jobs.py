@@ -47,18 +47,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def crd(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    wait_for(
-        "the RLJob CRD established",
-        lambda: (
-            cluster.kubectl(
-                "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=20s", check=False
-            ).returncode
-            == 0
-        ),
-        90,
-        interval_s=1.0,
-    )
+    cluster.apply_crds(str(REPO / "crds"))
 
 
 def tiny_flagship(kind: str, pool: str, claim: str) -> dict[str, Any]:

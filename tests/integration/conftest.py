@@ -15,27 +15,13 @@ from typing import Any
 import pytest
 import yaml
 
-from testenv.waiting import wait_for
-
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "rljobs.rljob.io.yaml"
 
 
 @pytest.fixture(scope="module")
 def crd(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    # `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine.
-    wait_for(
-        "the RLJob CRD Established",
-        lambda: (
-            cluster.kubectl(
-                "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
-            ).returncode
-            == 0
-        ),
-        90,
-        interval_s=1.0,
-    )
+    cluster.apply_crds(str(CRD))
 
 
 @pytest.fixture

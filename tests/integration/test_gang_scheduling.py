@@ -131,18 +131,7 @@ def test_a_gang_that_does_not_fit_leaves_every_pod_unbound(gang_cluster: LocalCl
 def gang_operator_env(gang_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The CRD on the gang cluster, a namespace, and KUBECONFIG as the operator's ServiceAccount
     bound to the operator ClusterRole (so the chart's rules are what allows the PodGroup)."""
-    gang_cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    wait_for(
-        "the RLJob CRD Established",
-        lambda: (
-            gang_cluster.kubectl(
-                "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
-            ).returncode
-            == 0
-        ),
-        90,
-        interval_s=1.0,
-    )
+    gang_cluster.apply_crds(str(CRD))
     namespace = gang_cluster.create_namespace(f"gang-op-{uuid.uuid4().hex[:6]}")
     name = f"rljob-operator-{namespace}"
     gang_cluster.kubectl("create", "serviceaccount", "rljob-operator", "-n", namespace)

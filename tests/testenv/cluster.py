@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from testenv import binaries, fakelet, pki
+from testenv.waiting import wait_for
 
 SERVICE_CIDR = "10.96.0.0/16"
 
@@ -127,6 +128,25 @@ class LocalCluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this cluster; raise with its stderr when `check` fails."""
         return self._run([str(self.bins["kubectl"]), *args], input=input, check=check, timeout=timeout)
+
+    def apply_crds(self, path: str | Path, crd: str = "rljobs.rljob.io", timeout_s: float = 90) -> None:
+        """Server-side apply the CRD manifest(s) at `path` and wait until `crd` is Established.
+
+        `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine, so
+        the wait is retried until `timeout_s`.
+        """
+        self.kubectl("apply", "--server-side", "-f", str(path))
+        wait_for(
+            f"the CRD {crd} Established",
+            lambda: (
+                self.kubectl(
+                    "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s", check=False
+                ).returncode
+                == 0
+            ),
+            timeout_s,
+            interval_s=1.0,
+        )
 
     def get_json(self, *what: str, namespace: str | None = None, check: bool = False) -> Any:
         """`kubectl get WHAT -o json` parsed; None when it fails (e.g. not found) unless `check`."""
