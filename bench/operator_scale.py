@@ -332,18 +332,7 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
     from kubernetes import client
 
     with LocalCluster.create() as cluster:
-        cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rljobs.rljob.io.yaml"))
-        # `kubectl wait` right after the apply can fail at once ("not found") on a loaded machine.
-        wait_until(
-            "the RLJob CRD Established",
-            lambda: (
-                cluster.kubectl(
-                    "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s", check=False
-                ).returncode
-                == 0
-            ),
-            120,
-        )
+        cluster.apply_crds(REPO / "crds" / "rljobs.rljob.io.yaml", timeout_s=120)
         cluster.create_namespace(NAMESPACE)
         labels: dict[str, str] = {}
         if side.kueue:
