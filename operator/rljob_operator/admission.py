@@ -16,10 +16,10 @@ ResourceFlavors by name; everything it decides comes from here:
   `place_pod(pod, placement)` merges one into a pod spec as Kueue's own integrations do
   (a nodeSelector key the pod already sets to another value is a conflict, an error naming both).
 - `admitted_engines(...)`: how many dedicated rollout pods may exist: the minimum ones (in the core
-  Workload) plus the admitted prefix of the extra engines, each its own lower-priority Workload.
-  `engines_to_release(...)` says which extra engines lost their admission (evicted by Kueue): the
-  one place that decides which extra-engine pods go (a plain removal now; the two-phase drain can
-  take over by lowering the target instead).
+  Workload) plus the admitted prefix of the extra engines, each its own lower-priority Workload:
+  the effective dedicated target. An extra engine Kueue evicts falls outside it, so its pod goes
+  through the two-phase drain (`elastic.plan_rollout_pods`, the one place that decides which
+  rollout pods go); `evicted_engines(...)` names them, for the drain's bounded grace and its Event.
 - `pods_ready_condition(...)`: the PodsReady condition Kueue's jobframework would write (Started,
   WaitForStart, WaitForRecovery, Recovered), or None when the Workload already says it.
 - `queue_status(...)`: the RLJob's `status.queue` while it waits.
@@ -357,14 +357,21 @@ def admitted_engines(core_engines: int, target_engines: int, extra: Mapping[int,
     return count
 
 
-def engines_to_release(
-    core_engines: int, target_engines: int, extra: Mapping[int, WorkloadState], running: Iterable[int]
-) -> list[int]:
-    """Extra engines whose pods must go: those Kueue evicted (or whose Workload is gone) while their
-    pod is up, and every engine after the first such one (indices stay contiguous), and those
-    beyond the target. The one decision a drain can take over."""
-    allowed = admitted_engines(core_engines, target_engines, extra)
-    return sorted(i for i in set(running) if i >= allowed and i >= core_engines)
+def evicted_engines(extra: Mapping[int, WorkloadState], running: Iterable[int]) -> dict[int, str]:
+    """Extra engines whose Workload Kueue evicted while their pod is up: index -> why (Kueue's
+    Evicted reason and message).
+
+    Which pods go is not decided here: `admitted_engines` lowers the effective target below an
+    evicted engine, and `elastic.plan_rollout_pods` drains every rollout pod above it (the
+    two-phase scale-down), the evicted ones within a bounded grace (`elastic.preempted_grace_s`);
+    `stale_engine_workloads` then deletes the evicted Workload once its pod is gone."""
+    up = set(running)
+    out = {}
+    for index, state in sorted(extra.items()):
+        cond = state.evicted
+        if index in up and cond is not None and not state.deleting:
+            out[index] = f"Kueue evicted Workload {state.name} ({cond.reason}: {cond.message})"
+    return out
 
 
 def stale_engine_workloads(

@@ -128,8 +128,8 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         )
         kopf.adopt(wl, owner=ctx.body)
         await ctx.state.kube.create(wl)
-    release = admission.engines_to_release(core_n, target, extra, running)
-    await delete_pods(ctx, [names.rollout_pod_name(ctx.job.name, i) for i in release], why="kueue")
+    # An evicted engine falls outside `allowed` (the effective target, in the layout below): its
+    # pod drains (`elastic.plan_rollout_pods`, the pods step); its Workload goes once the pod has.
     for name in admission.stale_engine_workloads(core_n, target, extra, running):
         await ctx.state.kube.delete_workload(ctx.job.namespace, name)
     allowed = admission.admitted_engines(core_n, target, extra)

@@ -134,22 +134,25 @@ def test_pod_set_pods_follow_the_workload_grouping() -> None:
     assert sorted(by_pod) == ["demo-rollout-0", "demo-trainer-0", "demo-trainer-1"]
 
 
-def test_extra_engines_admitted_as_a_prefix_and_released_when_evicted() -> None:
+def test_extra_engines_admitted_as_a_prefix_and_evicted_ones_fall_outside_it() -> None:
     admitted = state(ADMITTED, engine=1)
     pending = state({"QuotaReserved": ("False", "Pending")}, engine=2)
-    evicted = state({**ADMITTED, "Evicted": ("True", "Preempted")}, engine=1)
+    evicted = state({**ADMITTED, "Evicted": ("True", "Preempted")}, engine=1, name="rljob-demo-rollout-1")
     # one core engine, target 3: engine 1 admitted, engine 2 waits
     assert admission.admitted_engines(1, 3, {1: admitted, 2: pending}) == 2
     assert admission.admitted_engines(1, 3, {2: state(ADMITTED, engine=2)}) == 1  # no gap: 1 is missing
-    assert admission.engines_to_release(1, 3, {1: admitted, 2: pending}, running=[0, 1]) == []
-    # Kueue evicts engine 1: its pod goes, and engine 2's with it (indices stay contiguous)
-    assert admission.engines_to_release(1, 3, {1: evicted, 2: state(ADMITTED, engine=2)}, [0, 1, 2]) == [1, 2]
-    # the core engine never goes through here
-    assert admission.engines_to_release(1, 1, {}, running=[0]) == []
+    assert admission.evicted_engines({1: admitted, 2: pending}, running=[0, 1]) == {}
+    # Kueue evicts engine 1: the effective target drops below it, and below engine 2 (indices stay
+    # contiguous), so both pods drain; only engine 1 is named as evicted (its drain grace is bounded)
+    extra = {1: evicted, 2: state(ADMITTED, engine=2)}
+    assert admission.admitted_engines(1, 3, extra) == 1
+    (why,) = admission.evicted_engines(extra, running=[0, 1, 2]).items()
+    assert why[0] == 1 and "rljob-demo-rollout-1" in why[1] and "Preempted" in why[1]
+    assert admission.evicted_engines(extra, running=[0]) == {}  # its pod gone: nothing to drain
     # evicted Workload with its pod gone is deleted (its quota back); beyond the target too
     extra = {1: evicted, 2: state(ADMITTED, engine=2, name="rljob-demo-rollout-2")}
     assert admission.stale_engine_workloads(1, 2, extra, running=[0]) == [
-        "rljob-demo",
+        "rljob-demo-rollout-1",
         "rljob-demo-rollout-2",
     ]
     assert admission.stale_engine_workloads(1, 3, extra, running=[0, 1]) == []
