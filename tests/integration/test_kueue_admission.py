@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -214,7 +215,9 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
     """Adaptive mode adds a dedicated engine: its own Workload (priority one below the core's)
     waits while the quota holds only the core, its pod appears once the quota grows, and a
     higher-priority Workload makes Kueue preempt the extra engine, not the job's core: the rollout
-    pod goes, the trainer pods stay, and the engine queues again."""
+    pod drains (status.rollout.drainingPods, a RolloutPodDraining Event) and goes within the
+    bounded grace, its Workload with it, the trainer pods stay, the job never fails, and the engine
+    queues again."""
     pool_name = pool(3, per_node=1, resource=None)
     flavor, cq = f"flavor-{namespace}"[:63], f"cq-{namespace}"[:63]
     queues = kueue_env.queue_manifests(
@@ -238,8 +241,11 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 "calmSyncPointsBeforeScaleDown": 2,
                 "cooldownSeconds": 0,
             },
+            # A preempted engine drains within min(drainGraceSeconds, checkpointGraceSeconds): 6 s.
+            "rollout": {"tensorParallel": 1, "drainGraceSeconds": 300},
         }
     )
+    job["spec"]["preemption"] = {"checkpointGraceSeconds": 6}
     step = 0
 
     def feed(shared_awake: int) -> None:
@@ -322,6 +328,36 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
             urgent["spec"]["podSets"] = urgent["spec"]["podSets"][1:]  # one 1-cpu pod
             urgent["spec"]["priority"] = 1000
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(urgent))
+            phases: list[str] = []
+
+            def draining() -> Any:
+                st = job_status(cluster, namespace, "ada")
+                phases.append(st.get("phase", ""))
+                drains = (st.get("rollout") or {}).get("drainingPods")
+                return drains if drains and live("rollout") == ["ada-rollout-0"] else None
+
+            # Kueue evicts the extra engine's Workload: the pod drains before it goes (the two-phase
+            # scale-down). No driver runs here, so no release comes: the bounded grace deletes it.
+            (drain,) = wait_for("the evicted engine's pod marked draining", draining, 30, interval_s=0.1)
+            assert drain["index"] == 0
+            since = datetime.fromisoformat(drain["since"].replace("Z", "+00:00")).timestamp()
+            urgent_wl = cluster.get_json("workload", "rljob-urgent", namespace=namespace)
+            assert wl_condition(urgent_wl, "Admitted").get("status") != "True"  # the quota is still held
+            assert (
+                wl_condition(
+                    cluster.get_json("workload", "rljob-ada-rollout-0", namespace=namespace), "Evicted"
+                ).get("status")
+                == "True"
+            )
+
+            def engine_gone() -> bool:
+                phases.append(job_status(cluster, namespace, "ada").get("phase", ""))
+                return live("rollout") == []
+
+            wait_for("the drained engine's pod deleted", engine_gone, 30, interval_s=0.1)
+            assert time.time() - since >= 5, "deleted before the bounded drain grace (6 s)"
+            assert time.time() - since < 60, "the drain grace was not bounded by checkpointGraceSeconds"
+            # Its Workload goes with the pod: the quota is back, and Kueue admits the urgent one.
             wait_for(
                 "the urgent Workload admitted",
                 lambda: (
@@ -332,7 +368,12 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 ),
                 60,
             )
-            assert live("rollout") == []  # the evicted engine's pod is gone
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=ada"
+            ).stdout
+            assert "Kueue evicted Workload rljob-ada-rollout-0" in events and "RolloutPodDraining" in events
+            assert "RolloutPodDrained" in events
+            assert "Failed" not in phases, phases  # no scale-down fails the job
             assert sorted(live("trainer")) == ["ada-trainer-0", "ada-trainer-1"]  # the core stays
             core = cluster.get_json("workload", "rljob-ada", namespace=namespace, check=True)
             assert wl_condition(core, "Admitted")["status"] == "True" and wl_condition(core, "Evicted") == {}
@@ -348,10 +389,11 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 ),
             )
             # The core runs on: Running with the pods it has (the engine waits for quota again).
-            wait_for(
+            st = wait_for(
                 "the job Running on its core",
-                lambda: job_status(cluster, namespace, "ada")["phase"] == "Running",
+                lambda: (s := job_status(cluster, namespace, "ada"))["phase"] == "Running" and s,
             )
+            assert not st.get("failures") and not st.get("restarts") and not st.get("disruptions"), st
 
             # Suspended, the job holds no quota: its Workloads go, and resuming queues it again.
             suspend = {"spec": {"suspend": True}}
