@@ -10,7 +10,9 @@ ResourceFlavors by name; everything it decides comes from here:
   job's core is cooperative preemption (a separate step builds on this observation).
 - `core_workload(...)` / `engine_workload(...)`: the desired Workloads (builders.workload) with the
   hash of their spec, so a Workload built from an older spec is told apart and replaced while it
-  is still pending.
+  is still pending, and the hash of what Kueue's quota reads of its podSets: `pod_sets_mismatch`
+  says when an admitted one no longer covers the pods (stop the job, rebuild the Workload, as
+  Kueue's jobframework does).
 - `placements(assignments, flavors)`: for each podSet, the union of the nodeLabels and
   tolerations of the ResourceFlavors it was admitted to (Kueue's `podset.FromAssignment`);
   `place_pod(pod, placement)` merges one into a pod spec as Kueue's own integrations do
@@ -41,6 +43,9 @@ from rljob_operator.builders.common import JobRef, content_hash, deep_copy
 KUEUE_GROUP, KUEUE_VERSION = workload_builder.GROUP, workload_builder.VERSION
 QUEUE_NAME_LABEL = names.KUEUE_QUEUE_LABEL
 ANNOTATION_SPEC_HASH = "rljob.io/workload-spec-hash"
+# What Kueue's quota reads of the podSets (names, counts, requests and placement fields): a change
+# here while admitted means the admission no longer covers the pods (`pod_sets_mismatch`).
+ANNOTATION_POD_SETS_HASH = "rljob.io/workload-pod-sets-hash"
 # Workload condition types and PodsReady reasons (kueue.x-k8s.io/v1beta2 workload_types.go).
 QUOTA_RESERVED = "QuotaReserved"
 ADMITTED = "Admitted"
@@ -92,6 +97,8 @@ class WorkloadState:
     priority: int | None = None
     priority_class: tuple[str, str] | None = None  # (kind, name) of spec.priorityClassRef
     deleting: bool = False
+    pod_sets_hash: str = ""  # ANNOTATION_POD_SETS_HASH ("" on a Workload made before it existed)
+    pod_sets: tuple[tuple[str, int], ...] = ()  # (name, count) of spec.podSets
 
     def _true(self, type_: str) -> bool:
         cond = self.conditions.get(type_)
@@ -168,6 +175,11 @@ def observe_workload(body: Mapping[str, Any]) -> WorkloadState | None:
         priority=(body.get("spec") or {}).get("priority"),
         priority_class=_class_ref((body.get("spec") or {}).get("priorityClassRef")),
         deleting=bool(meta.get("deletionTimestamp")),
+        pod_sets_hash=str((meta.get("annotations") or {}).get(ANNOTATION_POD_SETS_HASH, "")),
+        pod_sets=tuple(
+            (str(p.get("name", "")), int(p.get("count") or 0))
+            for p in (body.get("spec") or {}).get("podSets") or []
+        ),
     )
 
 
@@ -177,7 +189,11 @@ def _class_ref(ref: Mapping[str, Any] | None) -> tuple[str, str] | None:
 
 # ---- desired Workloads ---------------------------------------------------------------------------
 def _with_hash(wl: dict[str, Any]) -> dict[str, Any]:
-    wl["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = content_hash(wl["spec"])
+    annotations = wl["metadata"].setdefault("annotations", {})
+    annotations[ANNOTATION_SPEC_HASH] = content_hash(wl["spec"])
+    annotations[ANNOTATION_POD_SETS_HASH] = content_hash(
+        [workload_builder.pod_set_quota_key(p) for p in wl["spec"]["podSets"]]
+    )
     return wl
 
 
@@ -211,6 +227,30 @@ def engine_workload(
 def is_current(state: WorkloadState, desired: Mapping[str, Any]) -> bool:
     """Whether the Workload was built from the same spec as `desired`."""
     return state.spec_hash == desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+
+
+def pod_sets_mismatch(state: WorkloadState, desired: Mapping[str, Any]) -> str:
+    """Why an admitted Workload no longer covers the job's pods ("" when it does): the podSets'
+    names, counts, requests or placement changed (the user edited the trainer size or the rollout
+    minimum). Kueue's jobframework then stops the job and replaces its Workload (ensureOneWorkload:
+    a running job with no matching Workload is stopped, the other Workload deleted, a new one
+    created once no pod is active); the shell does the same. A Workload without the annotation
+    (made by an older operator) is taken as matching."""
+    want = desired["metadata"]["annotations"][ANNOTATION_POD_SETS_HASH]
+    if not state.pod_sets_hash or state.pod_sets_hash == want:
+        return ""
+
+    def show(sets: Iterable[tuple[str, int]]) -> str:
+        return ", ".join(f"{name}×{count}" for name, count in sets) or "none"
+
+    asked = [(str(p["name"]), int(p["count"])) for p in desired["spec"]["podSets"]]
+    same = (
+        "the same podSets with other requests or placement" if asked == list(state.pod_sets) else show(asked)
+    )
+    return (
+        f"Workload {state.name} was admitted for podSets {show(state.pod_sets)}; the spec now asks for "
+        f"{same}: the pods are stopped and the Workload is rebuilt, so Kueue admits the job again"
+    )
 
 
 def pod_set_pods(

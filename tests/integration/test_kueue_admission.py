@@ -423,3 +423,91 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+
+
+def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
+    cluster: Any,
+    crd: None,
+    kueue: kueue_env.Kueue,
+    namespace: str,
+    pool: Callable[..., str],
+    kubeconfig_env: None,
+) -> None:
+    """The user raises the rollout minimum of a running, admitted job: the admitted Workload no
+    longer covers its pods, so (as Kueue's jobframework does) the operator stops the job, deletes
+    the Workload once no pod is left, and creates one for the new spec; Kueue admits it and the job
+    runs again with the new pods, never beyond the admitted quota and never Failed."""
+    pool_name = pool(4, per_node=1, resource=None)
+    flavor, cq = f"flavor-{namespace}"[:63], f"cq-{namespace}"[:63]
+    queues = kueue_env.queue_manifests(
+        namespace=namespace,
+        flavor=flavor,
+        cluster_queue=cq,
+        local_queue="team-queue",
+        quota={"cpu": "4", "memory": "8Gi"},
+        node_labels={"pool": pool_name},
+    )
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(queues))
+    phases: list[str] = []
+
+    def status_now() -> dict[str, Any]:
+        st = job_status(cluster, namespace, "grow")
+        phases.append(st.get("phase", ""))
+        return st
+
+    try:
+        with operator(namespace):
+            apply(cluster, namespace, cpu_rljob("grow", {"kueue.x-k8s.io/queue-name": "team-queue"}))
+            first = wait_for("the admitted job's 3 pods running", running_pods(cluster, namespace, "grow", 3))
+            old_uids = {p["metadata"]["uid"] for p in first}
+            old_wl = cluster.get_json("workload", "rljob-grow", namespace=namespace, check=True)
+            wait_for("the job Running", lambda: status_now().get("phase") == "Running")
+
+            grow = {
+                "spec": {
+                    "resources": {
+                        "totalAccelerators": 4,
+                        "static": {"trainerAccelerators": 2, "rolloutAccelerators": 2},
+                    }
+                }
+            }
+            cluster.kubectl("patch", "rljob", "grow", "-n", namespace, "--type=merge", "-p", json.dumps(grow))
+
+            live_counts: list[int] = []
+
+            def rebuilt() -> dict[str, Any] | None:
+                status_now()
+                live = [
+                    p for p in pods(cluster, namespace, "grow") if not p["metadata"].get("deletionTimestamp")
+                ]
+                wl = cluster.get_json("workload", "rljob-grow", namespace=namespace)
+                fresh = wl and wl["metadata"]["uid"] != old_wl["metadata"]["uid"]
+                if not fresh:
+                    live_counts.append(len(live))
+                return wl if fresh else None
+
+            wl = wait_for("the Workload rebuilt for the new spec", rebuilt, 90)
+            assert max(live_counts) <= 3, "a pod the old admission does not cover was created"
+            assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [
+                ("trainer", 2),
+                ("rollout", 2),
+            ]
+            assert wl["metadata"]["ownerReferences"][0]["name"] == "grow"
+            items = wait_for(
+                "the readmitted job's 4 pods running", running_pods(cluster, namespace, "grow", 4), 90
+            )
+            assert not old_uids & {p["metadata"]["uid"] for p in items}, "an old pod outlived its Workload"
+            assert all(p["spec"]["nodeSelector"] == {"pool": pool_name} for p in items)
+            st = wait_for(
+                "the job Running again", lambda: (s := status_now()).get("phase") == "Running" and s
+            )
+            assert st["queue"]["admitted"] is True and not st.get("failures"), st
+            assert "Failed" not in phases, phases
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=grow"
+            ).stdout
+            assert "WorkloadOutOfSync" in events and "WorkloadRebuilt" in events
+    finally:
+        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)

@@ -8,6 +8,7 @@ PodsReady following Kueue's jobframework reasons, and the RLJob's status showing
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
@@ -77,6 +78,33 @@ def test_core_workload_hash_tells_a_changed_spec() -> None:
     assert seen is not None and admission.is_current(seen, desired)
     bigger = admission.core_workload(JOB, *job_pods(make_spec(32, 24, 8)), queue_name="q", priority=None)
     assert not admission.is_current(seen, bigger)
+
+
+def test_an_admitted_workload_that_no_longer_covers_the_pods_is_told_apart() -> None:
+    """Kueue's jobframework stops a job whose Workload no longer matches it and replaces the
+    Workload: the podSets' counts or requests changed. Anything else the pods carry does not."""
+    trainers, rollouts = job_pods(make_spec(24, 16, 8))
+    desired = admission.core_workload(JOB, trainers, rollouts, queue_name="q", priority=None)
+    admitted = admission.observe_workload({**desired, "status": {}})
+    assert admitted is not None and admitted.pod_sets == (("trainer", 2), ("rollout", 1))
+    assert admission.pod_sets_mismatch(admitted, desired) == ""
+    # a priority or an env change is not a podSet change
+    env = [
+        {**p, "spec": {**p["spec"], "containers": [{**p["spec"]["containers"][0], "env": []}]}}
+        for p in trainers
+    ]
+    same = admission.core_workload(JOB, env, rollouts, queue_name="q", priority=None)
+    assert not admission.is_current(admitted, same) and admission.pod_sets_mismatch(admitted, same) == ""
+    # more trainer pods, or a bigger rollout minimum
+    bigger = admission.core_workload(JOB, *job_pods(make_spec(40, 24, 16)), queue_name="q", priority=None)
+    why = admission.pod_sets_mismatch(admitted, bigger)
+    assert "trainer×2, rollout×1" in why and "trainer×3, rollout×2" in why and "rebuilt" in why
+    # the rollout minimum in other engines: two of 4 GPUs instead of one of 8
+    other = admission.core_workload(JOB, *job_pods(make_spec(24, 16, 8, tp=4)), queue_name="q", priority=None)
+    assert admission.pod_sets_mismatch(admitted, other)
+    # a Workload from an operator without the annotation: taken as matching
+    old = dataclasses.replace(admitted, pod_sets_hash="")
+    assert admission.pod_sets_mismatch(old, bigger) == ""
 
 
 def test_engine_workload_is_one_pod_below_the_core_priority() -> None:

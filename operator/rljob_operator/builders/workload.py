@@ -71,6 +71,12 @@ def _scheduling_signature(pod: dict[str, Any]) -> str:
     return content_hash({"requests": requests, **{f: spec.get(f) for f in _SCHEDULING_FIELDS}})
 
 
+def pod_set_quota_key(pod_set: dict[str, Any]) -> tuple[str, int, str]:
+    """What Kueue's quota and flavor assignment read of a podSet: its name, count and the
+    scheduling signature of its template (requests and placement fields)."""
+    return str(pod_set["name"]), int(pod_set["count"]), _scheduling_signature(pod_set["template"])
+
+
 def _template(pod: dict[str, Any]) -> dict[str, Any]:
     spec = {k: v for k, v in deep_copy(pod["spec"]).items() if k not in _PER_POD_SPEC_FIELDS}
     labels = {k: v for k, v in pod["metadata"].get("labels", {}).items() if k != names.LABEL_INDEX}
