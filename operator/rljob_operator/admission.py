@@ -188,12 +188,18 @@ def _class_ref(ref: Mapping[str, Any] | None) -> tuple[str, str] | None:
 
 
 # ---- desired Workloads ---------------------------------------------------------------------------
-def _with_hash(wl: dict[str, Any]) -> dict[str, Any]:
+def _role_pods(
+    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+) -> list[tuple[str, Sequence[dict[str, Any]]]]:
+    return [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods)]
+
+
+def _with_hash(
+    wl: dict[str, Any], role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]
+) -> dict[str, Any]:
     annotations = wl["metadata"].setdefault("annotations", {})
     annotations[ANNOTATION_SPEC_HASH] = content_hash(wl["spec"])
-    annotations[ANNOTATION_POD_SETS_HASH] = content_hash(
-        [workload_builder.pod_set_quota_key(p) for p in wl["spec"]["podSets"]]
-    )
+    annotations[ANNOTATION_POD_SETS_HASH] = workload_builder.pod_sets_quota_hash(role_pods)
     return wl
 
 
@@ -209,7 +215,8 @@ def core_workload(
     return _with_hash(
         workload_builder.build_workload(
             job, trainer_pods, rollout_pods, queue_name=queue_name, priority=priority
-        )
+        ),
+        _role_pods(trainer_pods, rollout_pods),
     )
 
 
@@ -220,7 +227,8 @@ def engine_workload(
     return _with_hash(
         workload_builder.build_engine_workload(
             job, rollout_pod, index, queue_name=queue_name, core_priority=core_priority
-        )
+        ),
+        [(names.ROLE_ROLLOUT, [rollout_pod])],
     )
 
 
@@ -229,21 +237,24 @@ def is_current(state: WorkloadState, desired: Mapping[str, Any]) -> bool:
     return state.spec_hash == desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
 
 
-def pod_sets_mismatch(state: WorkloadState, desired: Mapping[str, Any]) -> str:
-    """Why an admitted Workload no longer covers the job's pods ("" when it does): the podSets'
-    names, counts, requests or placement changed (the user edited the trainer size or the rollout
-    minimum). Kueue's jobframework then stops the job and replaces its Workload (ensureOneWorkload:
-    a running job with no matching Workload is stopped, the other Workload deleted, a new one
-    created once no pod is active); the shell does the same. A Workload without the annotation
-    (made by an older operator) is taken as matching."""
-    want = desired["metadata"]["annotations"][ANNOTATION_POD_SETS_HASH]
-    if not state.pod_sets_hash or state.pod_sets_hash == want:
+def pod_sets_mismatch(
+    state: WorkloadState, trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+) -> str:
+    """Why an admitted core Workload no longer covers the job's core pods ("" when it does): the
+    podSets' names, counts, requests or placement changed (the user edited the trainer size or the
+    rollout minimum). Kueue's jobframework then stops the job and replaces its Workload
+    (ensureOneWorkload: a running job with no matching Workload is stopped, the other Workload
+    deleted, a new one created once no pod is active); the shell does the same. A Workload without
+    the annotation (made by an older operator) is taken as matching. Cheap enough for every
+    reconcile (no Workload is built)."""
+    role_pods = _role_pods(trainer_pods, rollout_pods)
+    if not state.pod_sets_hash or state.pod_sets_hash == workload_builder.pod_sets_quota_hash(role_pods):
         return ""
 
     def show(sets: Iterable[tuple[str, int]]) -> str:
         return ", ".join(f"{name}×{count}" for name, count in sets) or "none"
 
-    asked = [(str(p["name"]), int(p["count"])) for p in desired["spec"]["podSets"]]
+    asked = [(name, len(members)) for name, members in workload_builder.group_pod_sets(role_pods)]
     same = (
         "the same podSets with other requests or placement" if asked == list(state.pod_sets) else show(asked)
     )

@@ -113,14 +113,11 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
                 )
                 if core is not None:
                     known[wl_name] = core
-    if core is not None and core.quota_reserved and not core.deleting:
-        current_wl = admission.core_workload(
-            ctx.job, trainers, rollouts, queue_name=queue_name, priority=None
-        )
-        if why := admission.pod_sets_mismatch(core, current_wl):
-            queue = api.QueueStatus(name=queue_name, workload=wl_name, message=why[:1024])
-            await _rebuild_admitted(ctx, core, why)
-            return dataclasses.replace(seen, queue=queue), True
+    reserved = core is not None and core.quota_reserved and not core.deleting
+    if reserved and (why := admission.pod_sets_mismatch(core, trainers, rollouts)):
+        queue = api.QueueStatus(name=queue_name, workload=wl_name, message=why[:1024])
+        await _rebuild_admitted(ctx, core, why)
+        return dataclasses.replace(seen, queue=queue), True
     queue = admission.queue_status(core, queue_name, wl_name)
     if core is None or not core.admitted:
         return dataclasses.replace(seen, queue=queue), True  # no pod until Kueue admits the Workload

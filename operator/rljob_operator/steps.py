@@ -429,17 +429,17 @@ def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed
     )
     pod = functools.partial(names.pod_name, ctx.job.name, names.ROLE_ROLLOUT)
     started = sorted({d.index for d in plan.draining} - {d.index for d in rollout.draining_pods or []})
-    for index in (i for i in started if i in preempted):
-        post(
-            ctx,
-            "Normal",
-            "RolloutPodDraining",
-            f"{pod(index)}: {preempted[index]}: draining, deleted once the driver releases it or within "
-            f"{elastic.preempted_grace_s(spec):.0f}s (min of drainGraceSeconds and checkpointGraceSeconds)",
-        )
+    # One Event for all drains begun now (Events are limited to one per reason and interval).
+    drains = [
+        f"{pod(i)}: {preempted[i]}: draining, deleted once the driver releases it or within "
+        f"{elastic.preempted_grace_s(spec):.0f}s (min of drainGraceSeconds and checkpointGraceSeconds)"
+        for i in started
+        if i in preempted
+    ]
     if plain := [i for i in started if i not in preempted]:
-        what = ", ".join(map(pod, plain))
-        post(ctx, "Normal", "RolloutPodDraining", f"{what}: draining, deleted once the driver releases it")
+        drains.append(f"{', '.join(map(pod, plain))}: draining, deleted once the driver releases it")
+    if drains:
+        post(ctx, "Normal", "RolloutPodDraining", "; ".join(drains))
     if plan.released:
         what = ", ".join(map(pod, plan.released))
         post(ctx, "Normal", "RolloutPodReleased", f"the driver released {what}: deleting it")

@@ -87,24 +87,31 @@ def test_an_admitted_workload_that_no_longer_covers_the_pods_is_told_apart() -> 
     desired = admission.core_workload(JOB, trainers, rollouts, queue_name="q", priority=None)
     admitted = admission.observe_workload({**desired, "status": {}})
     assert admitted is not None and admitted.pod_sets == (("trainer", 2), ("rollout", 1))
-    assert admission.pod_sets_mismatch(admitted, desired) == ""
-    # a priority or an env change is not a podSet change
+    assert admission.pod_sets_mismatch(admitted, trainers, rollouts) == ""
+    # an env change is not a podSet change (though the Workload spec differs)
     env = [
         {**p, "spec": {**p["spec"], "containers": [{**p["spec"]["containers"][0], "env": []}]}}
         for p in trainers
     ]
     same = admission.core_workload(JOB, env, rollouts, queue_name="q", priority=None)
-    assert not admission.is_current(admitted, same) and admission.pod_sets_mismatch(admitted, same) == ""
+    assert not admission.is_current(admitted, same)
+    assert admission.pod_sets_mismatch(admitted, env, rollouts) == ""
     # more trainer pods, or a bigger rollout minimum
-    bigger = admission.core_workload(JOB, *job_pods(make_spec(40, 24, 16)), queue_name="q", priority=None)
-    why = admission.pod_sets_mismatch(admitted, bigger)
+    why = admission.pod_sets_mismatch(admitted, *job_pods(make_spec(40, 24, 16)))
     assert "trainer×2, rollout×1" in why and "trainer×3, rollout×2" in why and "rebuilt" in why
-    # the rollout minimum in other engines: two of 4 GPUs instead of one of 8
-    other = admission.core_workload(JOB, *job_pods(make_spec(24, 16, 8, tp=4)), queue_name="q", priority=None)
-    assert admission.pod_sets_mismatch(admitted, other)
+    # same counts, other requests: the trainer pods ask for more memory
+    container = trainers[0]["spec"]["containers"][0]
+    resources = {
+        **container["resources"],
+        "requests": {**container["resources"]["requests"], "memory": "999Gi"},
+    }
+    bigger = [
+        {**p, "spec": {**p["spec"], "containers": [{**container, "resources": resources}]}} for p in trainers
+    ]
+    assert "other requests or placement" in admission.pod_sets_mismatch(admitted, bigger, rollouts)
     # a Workload from an operator without the annotation: taken as matching
     old = dataclasses.replace(admitted, pod_sets_hash="")
-    assert admission.pod_sets_mismatch(old, bigger) == ""
+    assert admission.pod_sets_mismatch(old, *job_pods(make_spec(40, 24, 16))) == ""
 
 
 def test_engine_workload_is_one_pod_below_the_core_priority() -> None:

@@ -71,12 +71,6 @@ def _scheduling_signature(pod: dict[str, Any]) -> str:
     return content_hash({"requests": requests, **{f: spec.get(f) for f in _SCHEDULING_FIELDS}})
 
 
-def pod_set_quota_key(pod_set: dict[str, Any]) -> tuple[str, int, str]:
-    """What Kueue's quota and flavor assignment read of a podSet: its name, count and the
-    scheduling signature of its template (requests and placement fields)."""
-    return str(pod_set["name"]), int(pod_set["count"]), _scheduling_signature(pod_set["template"])
-
-
 def _template(pod: dict[str, Any]) -> dict[str, Any]:
     spec = {k: v for k, v in deep_copy(pod["spec"]).items() if k not in _PER_POD_SPEC_FIELDS}
     labels = {k: v for k, v in pod["metadata"].get("labels", {}).items() if k != names.LABEL_INDEX}
@@ -99,6 +93,17 @@ def group_pod_sets(
                 groups.append((signature, [pod]))
         out += [(role if k == 0 else f"{role}-{k}", members) for k, (_, members) in enumerate(groups)]
     return out
+
+
+def pod_sets_quota_hash(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
+    """The hash of what Kueue's quota and flavor assignment read of the podSets these pods make:
+    each podSet's name, count, requests and placement fields (not images, env or commands)."""
+    return content_hash(
+        [
+            (name, len(members), _scheduling_signature(members[0]))
+            for name, members in group_pod_sets(role_pods)
+        ]
+    )
 
 
 def build_pod_sets(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
