@@ -88,8 +88,12 @@ def test_a_crash_looping_rollout_pod_waits_its_backoff_while_the_trainers_stay(
         # The trainer gang never restarted: same pods, no failure, restart or backoff of its own.
         for name in ("loop-trainer-0", "loop-trainer-1"):
             assert third[name] == first[name], "the trainer gang was restarted"
-        st = job_status(cluster, namespace, "loop")
-        assert st["phase"] == "Running" and not st.get("restarts") and not st.get("failures"), st
+        # (the status follows the pods a reconcile later)
+        st = wait_for(
+            "the job Running",
+            lambda: (s := job_status(cluster, namespace, "loop"))["phase"] == "Running" and s,
+        )
+        assert not st.get("restarts") and not st.get("failures") and not st.get("lastFailure"), st
         assert st["rollout"]["replacedPods"] == 2, st
         events = cluster.kubectl(
             "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=loop"
