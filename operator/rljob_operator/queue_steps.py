@@ -113,6 +113,11 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
                 )
                 if core is not None:
                     known[wl_name] = core
+    reserved = core is not None and core.quota_reserved and not core.deleting
+    if reserved and (why := admission.pod_sets_mismatch(core, trainers, rollouts)):
+        queue = api.QueueStatus(name=queue_name, workload=wl_name, message=why[:1024])
+        await _rebuild_admitted(ctx, core, why)
+        return dataclasses.replace(seen, queue=queue), True
     queue = admission.queue_status(core, queue_name, wl_name)
     if core is None or not core.admitted:
         return dataclasses.replace(seen, queue=queue), True  # no pod until Kueue admits the Workload
@@ -128,8 +133,8 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         )
         kopf.adopt(wl, owner=ctx.body)
         await ctx.state.kube.create(wl)
-    release = admission.engines_to_release(core_n, target, extra, running)
-    await delete_pods(ctx, [names.rollout_pod_name(ctx.job.name, i) for i in release], why="kueue")
+    # An evicted engine falls outside `allowed` (the effective target, in the layout below): its
+    # pod drains (`elastic.plan_rollout_pods`, the pods step); its Workload goes once the pod has.
     for name in admission.stale_engine_workloads(core_n, target, extra, running):
         await ctx.state.kube.delete_workload(ctx.job.namespace, name)
     allowed = admission.admitted_engines(core_n, target, extra)
@@ -149,6 +154,26 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     queue = admission.queue_status(core, queue_name, wl_name, extra_engines_admitted=allowed - core_n)
     layout = builders.compute_layout(spec, seen.plan, allowed) if allowed != target else seen.layout
     return dataclasses.replace(seen, queue=queue, placements=placements, layout=layout), False
+
+
+async def _rebuild_admitted(ctx: Ctx, core: admission.WorkloadState, why: str) -> None:
+    """The admitted Workload no longer covers the job's pods (`admission.pod_sets_mismatch`): stop
+    the job, then, once no pod is left, delete its Workloads (the quota goes back); the admission
+    step then creates the Workload for the new spec and the job queues again (Kueue's
+    jobframework: stop the job with no matching Workload, delete the old one, create a new one).
+    The job resumes from its last checkpoint once readmitted, as after any gang restart."""
+    live = reconcile.pods_to_stop(ctx.pods, keep_finished=False)
+    if live:
+        post(ctx, "Normal", "WorkloadOutOfSync", why)
+        await delete_pods(ctx, live, why="workload-rebuilt")
+    if ctx.pods:  # terminating: the quota still counts until they are gone
+        ctx.retry(WAIT_FOR_TERMINATION_S, f"the pods stop before Workload {core.name} is rebuilt")
+        return
+    for wl in list(ctx.state.workloads.get(ctx.key, {}).values()):
+        if not wl.deleting:
+            await ctx.state.kube.delete_workload(ctx.job.namespace, wl.name)
+    post(ctx, "Normal", "WorkloadRebuilt", f"deleted Workload {core.name}: {why}")
+    ctx.retry(WAIT_FOR_TERMINATION_S, f"Workload {core.name} is rebuilt for the new spec")
 
 
 async def step_preemption(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:

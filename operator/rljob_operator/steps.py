@@ -371,6 +371,8 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
         assert seen.plan is not None
         desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
     seen, elastic_plan = _plan_rollout_pods(ctx, seen)
+    held = {names.rollout_pod_name(ctx.job.name, i) for i in elastic_plan.hold}  # backoff: not yet
+    desired = [d for d in desired if d["metadata"]["name"] not in held]
     diff = reconcile.diff_pods(
         desired,
         ctx.pods,
@@ -400,10 +402,17 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
 
 def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, elastic.RolloutPodsPlan]:
     """Drains and lone replacements of rollout pods (`elastic.plan_rollout_pods`, pure), their
-    Events, and the open drains and replacement count for `status.rollout`."""
+    Events, and the open drains, replacement count and backoffs for `status.rollout`.
+
+    Extra engines whose Kueue Workload was evicted are below the target already (the admission
+    step lowered the layout); here they only get the drain's bounded grace and their Event."""
     spec = spec_of(seen)
     assert seen.layout is not None
     rollout = seen.rollout or ctx.old.rollout or api.RolloutStatus()
+    extra = {s.engine: s for s in ctx.state.workloads.get(ctx.key, {}).values() if s.engine is not None}
+    mine = [p for p in ctx.pods if p.role == names.ROLE_ROLLOUT and p.attempt == ctx.attempt]
+    running = [p.index for p in mine if not p.deleting]
+    preempted = admission.evicted_engines(extra, running) if kueue_managed(ctx) else {}
     plan = elastic.plan_rollout_pods(
         ctx.pods,
         attempt=ctx.attempt,
@@ -413,12 +422,24 @@ def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed
         grace_s=spec.resources.rollout.drain_grace_seconds,
         now=ctx.now,
         node_names=frozenset(n.name for n in ctx.nodes_index.get("nodes", [])),
+        preempted=preempted,
+        preempted_grace=elastic.preempted_grace_s(spec),
+        backoff=rollout.replacement_backoff or [],
+        restart_policy=spec.restart_policy,
     )
     pod = functools.partial(names.pod_name, ctx.job.name, names.ROLE_ROLLOUT)
     started = sorted({d.index for d in plan.draining} - {d.index for d in rollout.draining_pods or []})
-    if started:
-        what = ", ".join(map(pod, started))
-        post(ctx, "Normal", "RolloutPodDraining", f"{what}: draining, deleted once the driver releases it")
+    # One Event for all drains begun now (Events are limited to one per reason and interval).
+    drains = [
+        f"{pod(i)}: {preempted[i]}: draining, deleted once the driver releases it or within "
+        f"{elastic.preempted_grace_s(spec):.0f}s (min of drainGraceSeconds and checkpointGraceSeconds)"
+        for i in started
+        if i in preempted
+    ]
+    if plain := [i for i in started if i not in preempted]:
+        drains.append(f"{', '.join(map(pod, plain))}: draining, deleted once the driver releases it")
+    if drains:
+        post(ctx, "Normal", "RolloutPodDraining", "; ".join(drains))
     if plan.released:
         what = ", ".join(map(pod, plan.released))
         post(ctx, "Normal", "RolloutPodReleased", f"the driver released {what}: deleting it")
@@ -428,17 +449,32 @@ def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed
             ctx,
             "Normal",
             "RolloutPodDrained",
-            f"{what}: not running, or no release within drainGraceSeconds: deleting it",
+            f"{what}: not running, or no release within its drain grace: deleting it",
         )
     if plan.replace:
         why = "; ".join(r.why for r in plan.replace)
         post(ctx, "Warning", "RolloutPodReplaced", f"{why}: recreating it alone (the trainers keep running)")
+    for r in plan.replace:
+        if r.not_before is not None and r.not_before > ctx.now:
+            wait = (r.not_before - ctx.now).total_seconds()
+            post(
+                ctx,
+                "Warning",
+                "RolloutPodBackoff",
+                f"{r.name} lost its engine {r.replacements} times in a row: its replacement waits "
+                f"{wait:.0f}s, until {r.not_before.strftime('%Y-%m-%dT%H:%M:%SZ')} (spec.restartPolicy "
+                "backoff; the trainers keep running)",
+            )
     if plan.retry_s is not None:
-        ctx.retry(plan.retry_s, "a rollout pod's drain grace ends")
-    update: dict[str, Any] = {"draining_pods": list(plan.draining) or None}
+        ctx.retry(plan.retry_s, "a rollout pod's drain grace or replacement backoff ends")
+    update: dict[str, Any] = {
+        "draining_pods": list(plan.draining) or None,
+        "replacement_backoff": list(plan.backoff) or None,
+    }
     if plan.replace:
         update["replaced_pods"] = (rollout.replaced_pods or 0) + len(plan.replace)
-    if (rollout.draining_pods or None) != update["draining_pods"] or plan.replace:
+    before = (rollout.draining_pods or None, rollout.replacement_backoff or None)
+    if before != (update["draining_pods"], update["replacement_backoff"]) or plan.replace:
         seen = dataclasses.replace(seen, rollout=rollout.model_copy(update=update))
     return seen, plan
 
