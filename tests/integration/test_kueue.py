@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_operator import TINY_CONFIG
 
 from rljob_operator import api, builders
 from rljob_operator.builders import workload
@@ -23,11 +24,14 @@ from testenv.waiting import wait_for
 pytestmark = pytest.mark.cluster
 
 
-def cpu_job_pods(namespace: str, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Two trainer pods and one dedicated rollout pod of a cpu RLJob: 1 cpu and 2Gi each."""
-    spec = api.RLJobSpec.model_validate(
-        {
-            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": {"model_type": "llama"}}},
+def cpu_rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """Two trainer pods and one dedicated rollout pod, 1 cpu and 2Gi each (3 cpu, 6Gi)."""
+    return {
+        "apiVersion": "rljob.io/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {
+            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": TINY_CONFIG}},
             "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
             "resources": {
                 "accelerator": {"kind": "cpu"},
@@ -37,8 +41,13 @@ def cpu_job_pods(namespace: str, name: str) -> tuple[list[dict[str, Any]], list[
                 "static": {"trainerAccelerators": 2, "rolloutAccelerators": 1},
                 "rollout": {"tensorParallel": 1},
             },
-        }
-    )
+        },
+    }
+
+
+def cpu_job_pods(namespace: str, name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two trainer pods and one dedicated rollout pod of a cpu RLJob: 1 cpu and 2Gi each."""
+    spec = api.RLJobSpec.model_validate(cpu_rljob(name)["spec"])
     plan = api.PlanStatus(
         trainer_accelerators=2, rollout_accelerators=1, rollout_engines=1, shared_engines=0, tensor_parallel=1
     )

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_kueue import cpu_job_pods
-from test_operator import TINY_CONFIG, _report, apply, condition, job_status, operator, pods, running_pods
+from test_kueue import cpu_job_pods, cpu_rljob
+from test_operator import _report, apply, condition, job_status, operator, pods, running_pods
 
 from rljob_operator import builders
 from rljob_operator.builders import workload
@@ -33,25 +33,12 @@ pytestmark = pytest.mark.cluster
 TAINT = {"key": "rljob.io/kueue-test", "value": "true", "effect": "NoSchedule"}
 
 
-def cpu_rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """Two trainer pods and one dedicated rollout pod, 1 cpu and 2Gi each (3 cpu, 6Gi)."""
-    return {
-        "apiVersion": "rljob.io/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": name, "labels": labels or {}},
-        "spec": {
-            "model": {"name": "tiny", "source": {"tiny": {}}, "config": {"inline": TINY_CONFIG}},
-            "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
-            "resources": {
-                "accelerator": {"kind": "cpu"},
-                "totalAccelerators": 3,
-                "acceleratorsPerNode": 1,
-                "mode": "static",
-                "static": {"trainerAccelerators": 2, "rolloutAccelerators": 1},
-                "rollout": {"tensorParallel": 1},
-            },
-        },
-    }
+def delete_jobs_and_queues(cluster: Any, namespace: str, queues: list[dict[str, Any]]) -> None:
+    """After a test: its RLJobs and their Workloads (waited for, so no quota stays reserved), then
+    the test's ClusterQueue, LocalQueue and flavor."""
+    cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
+    cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
+    cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
 
 
 def wl_condition(wl: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -199,9 +186,7 @@ def test_labelled_rljob_waits_queued_then_runs_on_the_flavor_nodes(
         forbidden = [line for line in kueue.log().splitlines() if "forbidden" in line]
         assert forbidden == [], forbidden[:3]
     finally:
-        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+        delete_jobs_and_queues(cluster, namespace, queues)
 
 
 def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
@@ -420,9 +405,7 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 lambda: cluster.get_json("workload", "rljob-ada", namespace=namespace) is not None,
             )
     finally:
-        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+        delete_jobs_and_queues(cluster, namespace, queues)
 
 
 def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
@@ -508,6 +491,4 @@ def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
             ).stdout
             assert "WorkloadOutOfSync" in events and "WorkloadRebuilt" in events
     finally:
-        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
-        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+        delete_jobs_and_queues(cluster, namespace, queues)
