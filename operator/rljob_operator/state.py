@@ -14,6 +14,8 @@ from typing import Any
 
 from rljob_operator import admission, api, kube, metrics, names, reconcile, resync
 
+EMPTY_REPORTS = "[]"  # a telemetry ConfigMap as the operator creates it (no SyncReport yet)
+
 
 @dataclasses.dataclass
 class Cache:
@@ -90,12 +92,15 @@ class State:
             self.due.soon(key, time.monotonic() + delay_s)
 
     def pod_changed(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
-        """A pod event of job `key`: whether it changed what a reconcile reads of the pod
-        (`view` None: the pod is gone)."""
+        """A pod event of job `key`: whether it changed what a reconcile acts on (`view` None: the
+        pod is gone). Not its binding alone: a pod's node matters only when the node goes, and
+        the node's own event reconciles the jobs with pods on it."""
         views = self.pod_views.setdefault(key, {})
         before = views.pop(name, None) if view is None else views.get(name)
         if view is not None:
             views[name] = view
+        if view is not None and before is not None:
+            return dataclasses.replace(view, node_name=None) != dataclasses.replace(before, node_name=None)
         return view != before
 
     def seen_created(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
@@ -115,7 +120,8 @@ class State:
     def reports_changed(self, key: str, reports: str) -> bool:
         """A telemetry ConfigMap event of job `key`: whether its reports differ from the last seen
         (its creation, with no reports yet, is not news)."""
-        before = self.reports.get(key, "")
+        reports = reports.strip() or EMPTY_REPORTS
+        before = self.reports.get(key, EMPTY_REPORTS)
         self.reports[key] = reports
         return reports != before
 

@@ -20,7 +20,7 @@ def test_only_a_pod_event_that_changes_what_a_reconcile_reads_counts() -> None:
     state = State(kube=None)  # type: ignore[arg-type]  # no API call here
     assert state.pod_changed("ns/j", "j-trainer-0", _pod())  # a new pod
     assert not state.pod_changed("ns/j", "j-trainer-0", _pod())  # e.g. only the pod IP changed
-    assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1"))  # bound
+    assert not state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1"))  # bound, nothing else
     assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1", phase="Running"))
     assert state.pod_changed("ns/j", "j-trainer-0", None)  # deleted
     assert not state.pod_changed("ns/j", "j-trainer-0", None)
@@ -48,7 +48,8 @@ def test_the_watch_showing_a_pod_just_created_is_no_news_and_forgets_the_create(
 
 def test_a_telemetry_write_is_news_only_when_the_reports_change() -> None:
     state = State(kube=None)  # type: ignore[arg-type]
-    assert not state.reports_changed("ns/j", "")  # the ConfigMap created empty
+    assert not state.reports_changed("ns/j", "[]")  # the ConfigMap as the operator creates it
+    assert not state.reports_changed("ns/j", "")
     assert state.reports_changed("ns/j", '[{"step": 1}]')
     assert not state.reports_changed("ns/j", '[{"step": 1}]')
     assert state.reports_changed("ns/j", '[{"step": 1}, {"step": 2}]')
