@@ -10,7 +10,7 @@ once, a job with pods still to create goes before one re-reconciled for a pod ev
 
 While a job's pods start, its status would change with every pod event ("0/2", "1/2" running):
 `defer_status` lets such a write wait up to `STATUS_COALESCE_S` for the next change, so a job
-that starts quickly is written Pending-then-Running once or twice, not once per pod event. And
+is written Pending, then Running, not once per pod event in between. And
 pods this operator just created may not be in the watch yet: `unseen_creates` names them, so that
 a reconcile in between does not create them again (a 409 is a request too).
 
@@ -182,11 +182,12 @@ def defer_status(
     """Whether a changed status may wait for the next reconcile instead of being written now.
 
     Only while a job's pods start (`starting`: every pod created or on its way, nothing wrong, no
-    restart or decision to persist) and the job stays Pending (or gets its first status), for at
-    most `window_s` since the first write it put off. Any other change (Running, a failure, a
-    restart's new attempt, Queued, Suspended) is written at once.
+    restart or decision to persist) and the job stays Pending, for at most `window_s` since the
+    first write it put off. A job's first status (its plan, written by the reconcile that creates
+    its pods) and any other change (Running, a failure, a restart's new attempt, Queued,
+    Suspended) are written at once.
     """
-    if not starting or new_phase != "Pending" or old_phase not in (None, "", "Pending"):
+    if not starting or new_phase != "Pending" or old_phase != "Pending":
         return False
     return deferred_since is None or now - deferred_since < window_s
 

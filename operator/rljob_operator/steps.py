@@ -602,8 +602,8 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
     """The reconcile's one status write: compute, write only if changed, post Events on transitions.
 
     A starting job's change (its pods coming up, still Pending) may wait for the next pod event,
-    at most `resync.STATUS_COALESCE_S` (`resync.defer_status`): a job whose pods start at once is
-    written Running once, not once per pod event; a retry is scheduled for the deadline."""
+    at most `resync.STATUS_COALESCE_S` (`resync.defer_status`): not one write per pod event; a
+    retry is scheduled for the deadline. The first status is written at once."""
     new = status.compute_status(ctx.old, observed, generation=ctx.generation, now=ctx.now)
     patch = status.status_patch(ctx.old_raw, new)
     if patch is not None and _defer_status(ctx, observed, new):

@@ -149,16 +149,17 @@ def test_a_free_slot_wakes_the_waiting_loop() -> None:
 
 
 # ---- what may wait for the next reconcile ----------------------------------------------------------
-def test_a_starting_jobs_first_and_pending_writes_wait_for_the_window() -> None:
+def test_a_starting_jobs_pending_writes_wait_for_the_window() -> None:
     defer = functools.partial(resync.defer_status, starting=True, new_phase="Pending", window_s=1.0)
-    assert defer(old_phase=None, deferred_since=None, now=5.0)  # the first status of a new job
-    assert defer(old_phase="Pending", deferred_since=5.0, now=5.9)  # "1/2 pods running"
+    assert defer(old_phase="Pending", deferred_since=None, now=5.0)  # "1/2 pods running"
+    assert defer(old_phase="Pending", deferred_since=5.0, now=5.9)
     assert not defer(old_phase="Pending", deferred_since=5.0, now=6.0)  # the window is over: write
 
 
 @pytest.mark.parametrize(
     ("old_phase", "new_phase", "starting"),
     [
+        (None, "Pending", True),  # a new job's first status: its plan, with its pods
         ("Pending", "Running", True),  # Running is news
         (None, "Failed", True),
         ("Running", "Pending", True),  # a Running job that lost a pod
