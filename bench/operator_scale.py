@@ -19,6 +19,10 @@ and one 8-GPU rollout pod) as fast as one client can, and measures:
   /proc) and RSS, the apiserver's requests/s on those kinds, and the operator's own calls/s.
   (Leader election renews its Lease every 2 s besides: 0.5 requests/s, not counted above.)
 
+Each side's per-job times (create returned, each pod first seen; monotonic seconds, comparable
+with the operator's own clock) go to `$RLJOB_BENCH_LOG_DIR/rljob-bench-times-<side>.json`, next to
+its operator's log, to tell where a slow job's time went.
+
 With Kueue (`--kueue`, default on when this tree has the admission step and the Kueue binary can
 run here): the jobs carry `kueue.x-k8s.io/queue-name`, a ClusterQueue with room for all of them
 admits their Workloads, and create -> all pods includes the admission.
@@ -30,6 +34,7 @@ admits their Workloads, and create -> all pods includes the admission.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -55,6 +60,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from testenv.cluster import LocalCluster  # noqa: E402
 
 NAMESPACE = "bench"
+CRD = Path("crds") / "rljobs.rljob.io.yaml"  # relative to a source tree
 QUEUE = "bench-queue"
 LOG_DIR = Path(os.environ.get("RLJOB_BENCH_LOG_DIR", "/tmp"))
 CHILD_RESOURCES = {
@@ -70,6 +76,8 @@ CHILD_RESOURCES = {
 }
 _METRIC_RE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+NODE_GRACE_S = 900
+GC_DISCOVERY_S = 35
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -108,11 +116,13 @@ def rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
 # ---- the operator as the chart runs it -----------------------------------------------------------
 @dataclass(frozen=True)
 class Side:
-    """One operator to measure: its source folder (`operator/`) and its chart's values."""
+    """One operator to measure: its source folder (`operator/`), its chart's values and its CRD
+    (an older operator refuses the fields a newer CRD defaults: InvalidSpec)."""
 
     label: str
     source: Path
     chart_values: Path
+    crd: Path
     kueue: bool = False
 
     def chart_env(self) -> dict[str, str]:
@@ -130,10 +140,10 @@ class Side:
 
 
 def extract_baseline(ref: str) -> Path:
-    """`operator/` and `helm/` of commit `ref`, extracted read-only from git (no worktree)."""
+    """`operator/`, `helm/` and `crds/` of commit `ref`, extracted read-only from git (no worktree)."""
     out = Path(tempfile.mkdtemp(prefix="rljob-bench-baseline-"))
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "operator", "helm"],
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "operator", "helm", "crds"],
         check=True,
         capture_output=True,
     ).stdout
@@ -331,8 +341,12 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
         return result
     from kubernetes import client
 
-    with LocalCluster.create() as cluster:
-        cluster.apply_crds(REPO / "crds" / "rljobs.rljob.io.yaml", timeout_s=120)
+    # The fake nodes' heartbeats are one thread's Lease renewals, a round of M every 10 s: on a
+    # loaded machine a round of 1000 can outlast the default grace, and nodes tainted unreachable
+    # would leave jobs unscheduled. The bench measures the operator, not the fake kubelet.
+    with LocalCluster.create(node_monitor_grace_period_s=NODE_GRACE_S) as cluster:
+        cluster.apply_crds(side.crd, timeout_s=120)
+        crd_at = time.monotonic()
         cluster.create_namespace(NAMESPACE)
         labels: dict[str, str] = {}
         if side.kueue:
@@ -377,7 +391,10 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             ):
                 raise RuntimeError("the operator did not create the warm-up job's pods in 180 s")
             wait_until("the warm-up job Running", lambda: watcher.phases.get("warmup") == "Running", 60, proc)
-            time.sleep(2)
+            # The garbage collector watches a new CRD's kind only after its next discovery (every
+            # 30 s); until then it GETs the RLJob owning each new child, requests the apiserver
+            # would count against the operator.
+            time.sleep(max(2.0, crd_at + GC_DISCOVERY_S - time.monotonic()))
             api_before = apiserver_requests(cluster)
             op_before = operator_requests(args.metrics_port)
 
@@ -420,6 +437,8 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    times = {"created": created, "pods": dict(watcher.pods)}
+    (LOG_DIR / f"rljob-bench-times-{side.label.replace(' ', '-')}.json").write_text(json.dumps(times))
     result.latencies = [
         max(watcher.pods[f"{n}-trainer-0"], watcher.pods[f"{n}-rollout-0"]) - t
         for n, t in created.items()
@@ -512,13 +531,15 @@ def main() -> int:
     if args.quick:
         args.jobs, args.nodes, args.idle_seconds = 20, 40, 20
 
-    here = Side("this tree", REPO / "operator", REPO / "helm" / "rljob" / "values.yaml")
+    here = Side("this tree", REPO / "operator", REPO / "helm" / "rljob" / "values.yaml", REPO / CRD)
     sides = [here]
     if args.kueue:
-        sides.append(Side("this tree + Kueue", here.source, here.chart_values, kueue=True))
+        sides.append(dataclasses.replace(here, label="this tree + Kueue", kueue=True))
     if args.baseline:  # last: this tree's figures come first if the run is cut short
         base = extract_baseline(args.baseline)
-        sides.append(Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml"))
+        sides.append(
+            Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml", base / CRD)
+        )
     results = []
     for side in sides:
         results.append(run_side(side, args))

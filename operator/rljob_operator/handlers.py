@@ -6,7 +6,9 @@ Reconciles are event-driven (`rljob_operator.resync`): a watch event on a job's 
 telemetry ConfigMap or Kueue Workloads, or on a node its pods use, marks the job due at once
 (`state.due[key]`); a reconcile that waits for time (a backoff, a terminating pod, a TTL, a missing
 object) asks for its own retry; every job is also reconciled every RLJOB_RECONCILE_INTERVAL_S as a
-safety net, with jitter. An idle reconcile makes no API call: the RLJob comes from the watch (or
+safety net, with jitter. A pod or telemetry event counts only when it changes what a reconcile
+reads (`State.pod_changed`, `State.reports_changed`); a due job waits for a free slot, jobs with
+pods to create first (`resync.pick`). An idle reconcile makes no API call: the RLJob comes from the watch (or
 our own write's response, whichever is newer), the status is written only if it changed, and
 Events only on transitions. What a reconcile does, step by step, is in `steps` (and the Kueue,
 preemption and gang steps in `queue_steps`).
@@ -239,20 +241,42 @@ async def rljob_job_event(event: kopf.RawEvent, namespace: str, name: str, memo:
 
 
 @kopf.on.event("pods", labels=POD_LABELS)
-async def rljob_pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
-    """A job's pod was created, scheduled, started, ended or deleted: reconcile the job."""
+async def rljob_pod_event(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """A job's pod was created, scheduled, started, ended or deleted: reconcile the job. An event
+    that changes nothing a reconcile reads of the pod (`reconcile.observe_pod`) does not."""
     state = memo.get("rljob")
-    if isinstance(state, State):
+    if not isinstance(state, State):
+        return
+    key = names.job_key(namespace, labels[names.LABEL_JOB])
+    gone = event["type"] == "DELETED"
+    view = None if gone else reconcile.observe_pod(body)
+    # The watch shows a pod this operator created: forget the create (`steps._step_pods`), and
+    # its ADDED, a pod just as it was created, is no news to the reconcile that created it.
+    ours = state.seen_created(key, name, view)
+    if (state.pod_changed(key, name, view) and not ours) or gone:
         state.touch(namespace, labels[names.LABEL_JOB], EVENT_COALESCE_S)
 
 
 @kopf.on.event("configmaps", labels=TELEMETRY_LABELS)
-async def rljob_telemetry_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
-    """The driver wrote a SyncReport: the adaptive policy and the progress read it."""
+async def rljob_telemetry_event(
+    body: kopf.Body, namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
+    """The driver wrote a SyncReport: the adaptive policy and the progress read it. (Not the
+    ConfigMap's creation, nor a write that left the reports as they were.)"""
     state = memo.get("rljob")
     job = labels.get(names.LABEL_JOB)
     if isinstance(state, State) and job is not None:
-        state.touch(namespace, job, EVENT_COALESCE_S)
+        reports = (body.get("data") or {}).get(telemetry.REPORTS_KEY, "")
+        if state.reports_changed(names.job_key(namespace, job), reports):
+            state.touch(namespace, job, EVENT_COALESCE_S)
 
 
 @kopf.on.event("nodes")
@@ -305,32 +329,39 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
     setting `state.due[key]`), after the delay its last reconcile asked for (`ctx.retry`: a
     backoff ending, a pod still terminating, a TTL), and otherwise every RLJOB_RECONCILE_INTERVAL_S
     less a random share (`resync.next_resync_s`), so idle jobs never wake together. At most
-    `RESYNC_CONCURRENCY` reconciles run at once; the loop sleeps until the next due time or event.
+    `RESYNC_CONCURRENCY` reconciles run at once, and a job is taken only when a slot is free:
+    events that come while it waits are still seen by that one reconcile (none queues behind a
+    semaphore as "running" and then runs again for them). Jobs with pods still to create go
+    first (`resync.pick`). The loop sleeps until the next due time, an event, or a free slot.
     """
     log = logging.getLogger("rljob_operator.resync")
-    limit = asyncio.Semaphore(RESYNC_CONCURRENCY)
     running: dict[str, asyncio.Task[None]] = {}
     due = state.due
+
+    def urgent(key: str) -> bool:
+        body = state.latest.get(key)
+        attempt = int(((body or {}).get("status") or {}).get("restarts") or 0)
+        return resync.wants_pods(attempt, (p.attempt for p in indexes.pods.get(state.jobs[key], [])))
 
     async def one(key: str, cause: str) -> None:
         namespace, name = state.jobs[key]
         try:
-            async with limit:
-                retry_s = await reconcile_job(
-                    cause=cause,
-                    name=name,
-                    namespace=namespace,
-                    state=state,
-                    logger=log,
-                    pods_index=indexes.pods,
-                    telemetry_index=indexes.telemetry,
-                    nodes_index=indexes.nodes,
-                )
+            retry_s = await reconcile_job(
+                cause=cause,
+                name=name,
+                namespace=namespace,
+                state=state,
+                logger=log,
+                pods_index=indexes.pods,
+                telemetry_index=indexes.telemetry,
+                nodes_index=indexes.nodes,
+            )
         except Exception as exc:  # the status write itself failed (API down): try again later
             log.warning(f"reconcile of {key} failed: {type(exc).__name__}: {exc}")
             retry_s = RETRY_WAITING_S
         finally:
             running.pop(key, None)
+            due.wake()  # a slot is free
         if key in state.jobs:
             delay_s, why = resync.next_delay_s(retry_s, RECONCILE_INTERVAL_S)
             due.schedule(key, time.monotonic() + delay_s, why)
@@ -338,16 +369,15 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
     last_sweep = time.monotonic()
     while True:
         now = time.monotonic()
-        wake_at = now + RESYNC_MAX_SLEEP_S
-        for key, when in list(due.items()):
-            if key in running:
-                continue
-            if when <= now and key in state.jobs:
-                cause = due.causes.get(key, resync.EVENT)
-                due.running(key)
-                running[key] = asyncio.create_task(one(key, cause), name=f"rljob-reconcile-{key}")
-            else:
-                wake_at = min(wake_at, when)
+        for key in [k for k in due if k not in state.jobs and k not in running]:
+            due.pop(key, None)  # forgotten meanwhile, or never an RLJob we watch
+        start, next_at = resync.pick(
+            due, now, running=running, slots=RESYNC_CONCURRENCY - len(running), urgent=urgent
+        )
+        for key in start:
+            cause = due.causes.get(key, resync.EVENT)
+            due.running(key)
+            running[key] = asyncio.create_task(one(key, cause), name=f"rljob-reconcile-{key}")
         if now - last_sweep >= RESYNC_SWEEP_S:
             last_sweep = now
             present = {names.job_key(namespace, name) for namespace, name in indexes.jobs}
@@ -355,7 +385,7 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
                 state.forget(key)
         # A short pause first: events come in bursts, and one scan serves them all.
         await asyncio.sleep(RESYNC_SCAN_PAUSE_S)
-        await due.wait(wake_at - time.monotonic())
+        await due.wait(min(next_at, now + RESYNC_MAX_SLEEP_S) - time.monotonic())
 
 
 # ---- entry point ---------------------------------------------------------------------------------

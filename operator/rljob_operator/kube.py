@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
+import math
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +25,59 @@ from rljob_operator import api, kubeclient, metrics
 from rljob_operator.builders import podgroup, workload
 
 API_THREADS = 16
+#: The API pool serves waiting calls in this order: what makes a job run (pod and child creates,
+#: deletes, reads) before status writes, and Events last (`PriorityPool`).
+PRIORITY_WORK, PRIORITY_STATUS, PRIORITY_EVENT = 0, 1, 2
 KUEUE_GROUP, KUEUE_VERSION = workload.GROUP, workload.VERSION
 POD_GROUP_API = podgroup.API_VERSION  # native gang scheduling (Kubernetes 1.37, GenericWorkload)
+
+
+def priority_of(verb: str, kind: str) -> int:
+    """Events last, RLJob status writes before them, everything else (creates, deletes, reads) first."""
+    if kind == "Event":
+        return PRIORITY_EVENT
+    if kind == "RLJob" and verb == "patch":
+        return PRIORITY_STATUS
+    return PRIORITY_WORK
+
+
+class PriorityPool:
+    """`threads` worker threads that run submitted calls most urgent first, in order among equals.
+
+    A thread pool for the synchronous kubernetes client: when 500 jobs start together, a job's
+    pod creates do not wait behind the other jobs' status writes and Events."""
+
+    _STOP = (math.inf, math.inf, None, None)
+
+    def __init__(self, threads: int, name: str = "rljob-api") -> None:
+        self._queue: queue.PriorityQueue[tuple[float, float, Any, Any]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: int, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((priority, next(self._order), fn, future))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            _, _, fn, future = self._queue.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(self._STOP)
 
 
 class Kube:
@@ -32,7 +87,7 @@ class Kube:
     `create` treats 409 AlreadyExists and `delete` treats 404 NotFound as success.
     """
 
-    def __init__(self, client: kubernetes.client.ApiClient, executor: concurrent.futures.Executor) -> None:
+    def __init__(self, client: kubernetes.client.ApiClient, executor: PriorityPool) -> None:
         self.client = client
         self.executor = executor
         self.core = kubernetes.client.CoreV1Api(client)
@@ -56,15 +111,16 @@ class Kube:
         """KUBECONFIG (or ~/.kube/config) when present, else the in-cluster ServiceAccount."""
         cfg = kubeclient.load_configuration()  # $KUBECONFIG read now, not at import time
         cfg.connection_pool_maxsize = API_THREADS * 2
-        executor = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="rljob-api")
-        return cls(kubernetes.client.ApiClient(cfg), executor)
+        return cls(kubernetes.client.ApiClient(cfg), PriorityPool(API_THREADS))
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False)
+        self.executor.shutdown()
         self.client.close()
 
     async def call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run `fn(*args, **kwargs)` without deserializing the response; returns the decoded JSON."""
+        """Run `fn(*args, **kwargs)` without deserializing the response; returns the decoded JSON.
+
+        Served in `priority_of(verb, kind)` order when the pool is busy."""
         metrics.API_REQUESTS.labels(verb, kind).inc()
 
         def invoke() -> Any:
@@ -73,7 +129,7 @@ class Kube:
             return json.loads(data) if data else None
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, invoke)
+            return await asyncio.wrap_future(self.executor.submit(priority_of(verb, kind), invoke))
         except ApiException as exc:
             if not ((verb == "create" and exc.status == 409) or (verb == "delete" and exc.status == 404)):
                 metrics.API_ERRORS.labels(verb, kind, str(exc.status)).inc()

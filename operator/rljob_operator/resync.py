@@ -1,12 +1,22 @@
-"""When each job is reconciled next: due times, wake-ups, the safety-net spread and object freshness.
+"""When each job is reconciled next: due times, wake-ups, which due job goes first, the
+safety-net spread, object freshness, and what may wait for the next reconcile.
 
 Role: the scheduling core of the operator's resync loop (`handlers._resync_loop`). Reconciles are
 event-driven: a watch event on a job's RLJob, pods, telemetry ConfigMap or nodes marks the job
 due at once (`DueTimes.soon`), a reconcile that waits for time (a backoff, a terminating pod, a
 TTL) asks for its own retry, and the periodic resync is only a slow safety net, spread with
-jitter so that hundreds of idle jobs never wake together. No API calls here; the only impurity is
-the asyncio wake-up, which is what lets `state.due[key] = time.monotonic()` (the contract other
-steps use to trigger a reconcile) take effect at once instead of at the next poll.
+jitter so that hundreds of idle jobs never wake together. When more jobs are due than may run at
+once, a job with pods still to create goes before one re-reconciled for a pod event (`pick`).
+
+While a job's pods start, its status would change with every pod event ("0/2", "1/2" running):
+`defer_status` lets such a write wait up to `STATUS_COALESCE_S` for the next change, so a job
+is written Pending, then Running, not once per pod event in between. And
+pods this operator just created may not be in the watch yet: `unseen_creates` names them, so that
+a reconcile in between does not create them again (a 409 is a request too).
+
+No API calls here; the only impurity is the asyncio wake-up, which is what lets
+`state.due[key] = time.monotonic()` (the contract other steps use to trigger a reconcile) take
+effect at once instead of at the next poll.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 #: Why a job is due: a watch event or another component (`event`), the job's own retry (`retry`),
 #: or the safety-net period (`resync`). The reconcile-latency metric is labelled with it.
@@ -72,6 +82,10 @@ class DueTimes(dict[str, float]):
         self.causes[key] = cause
         self._notify()
 
+    def wake(self) -> None:
+        """Wake the waiting loop without a new due time (a reconcile ended: a slot is free)."""
+        self._notify()
+
     def _notify(self) -> None:
         loop = self._loop
         if loop is None:
@@ -125,3 +139,75 @@ def is_newer(candidate: str | None, known: str | None) -> bool:
     if candidate.isdigit() and known.isdigit():
         return int(candidate) > int(known)
     return True
+
+
+def pick(
+    due: Mapping[str, float],
+    now: float,
+    *,
+    running: Collection[str],
+    slots: int,
+    urgent: Callable[[str], bool],
+) -> tuple[list[str], float]:
+    """Which due jobs to start now, at most `slots`, and when the next of the others is due.
+
+    Urgent jobs (`urgent(key)`: pods still to create) go first, then the earliest due. Jobs
+    running now are skipped (they are due again only through `DueTimes.schedule`). A job due but
+    left for lack of a slot does not set the next time: the loop is woken when a slot frees.
+    """
+    ready = [key for key, when in due.items() if when <= now and key not in running]
+    later = [when for key, when in due.items() if when > now and key not in running]
+    ready.sort(key=lambda key: (not urgent(key), due[key]))
+    return ready[: max(slots, 0)], min(later, default=math.inf)
+
+
+def wants_pods(attempt: int, pod_attempts: Iterable[int]) -> bool:
+    """Whether a job has no pod of its current attempt yet: a new job, or one just restarted."""
+    return all(a != attempt for a in pod_attempts)
+
+
+#: How long a starting job's changed status may wait for the next reconcile before it is written.
+STATUS_COALESCE_S = 1.0
+
+
+def defer_status(
+    *,
+    old_phase: str | None,
+    new_phase: str | None,
+    starting: bool,
+    deferred_since: float | None,
+    now: float,
+    window_s: float = STATUS_COALESCE_S,
+) -> bool:
+    """Whether a changed status may wait for the next reconcile instead of being written now.
+
+    Only while a job's pods start (`starting`: every pod created or on its way, nothing wrong, no
+    restart or decision to persist) and the job stays Pending, for at most `window_s` since the
+    first write it put off. A job's first status (its plan, written by the reconcile that creates
+    its pods) and any other change (Running, a failure, a restart's new attempt, Queued,
+    Suspended) are written at once.
+    """
+    if not starting or new_phase != "Pending" or old_phase != "Pending":
+        return False
+    return deferred_since is None or now - deferred_since < window_s
+
+
+#: How long a pod this operator created counts as existing while the watch has not shown it.
+CREATED_MEMORY_S = 30.0
+
+
+def unseen_creates(
+    created: Mapping[str, tuple[int, float]],
+    *,
+    attempt: int,
+    seen: Collection[str],
+    now: float,
+    memory_s: float = CREATED_MEMORY_S,
+) -> set[str]:
+    """Pods created by this operator for `attempt` (name -> (attempt, when)) and not yet `seen` in
+    the watch, for at most `memory_s`: a reconcile must not create them again."""
+    return {
+        name
+        for name, (made_for, when) in created.items()
+        if made_for == attempt and name not in seen and now - when < memory_s
+    }

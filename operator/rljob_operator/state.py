@@ -14,6 +14,8 @@ from typing import Any
 
 from rljob_operator import admission, api, kube, metrics, names, reconcile, resync
 
+EMPTY_REPORTS = "[]"  # a telemetry ConfigMap as the operator creates it (no SyncReport yet)
+
 
 @dataclasses.dataclass
 class Cache:
@@ -52,6 +54,17 @@ class State:
     deleted: dict[str, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
     # job key -> Workload name -> what it says (rljob_workloads, the Kueue watch)
     workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> what the last pod event showed: an event that changes none of it
+    # (a condition's timestamp, the pod IP) reconciles nothing
+    pod_views: dict[str, dict[str, reconcile.PodObservation]] = dataclasses.field(default_factory=dict)
+    # job key -> the telemetry ConfigMap's reports as last seen (an unchanged write is no news)
+    reports: dict[str, str] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> (attempt, monotonic s): pods created and not yet seen in the watch
+    created: dict[str, dict[str, tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    # job key -> monotonic s of the first status write put off (`resync.defer_status`)
+    unwritten: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Events being posted after their reconcile (kept referenced until done)
+    posting: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
     resync: asyncio.Task[None] | None = None
 
     def observe_job(self, body: dict[str, Any]) -> None:
@@ -78,6 +91,40 @@ class State:
         if key in self.jobs:
             self.due.soon(key, time.monotonic() + delay_s)
 
+    def pod_changed(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
+        """A pod event of job `key`: whether it changed what a reconcile acts on (`view` None: the
+        pod is gone). Not its binding alone: a pod's node matters only when the node goes, and
+        the node's own event reconciles the jobs with pods on it."""
+        views = self.pod_views.setdefault(key, {})
+        before = views.pop(name, None) if view is None else views.get(name)
+        if view is not None:
+            views[name] = view
+        if view is not None and before is not None:
+            return dataclasses.replace(view, node_name=None) != dataclasses.replace(before, node_name=None)
+        return view != before
+
+    def seen_created(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
+        """The watch shows pod `name` of job `key`: forget that this operator created it, and say
+        whether it is just as created (this attempt, unbound, nothing wrong): no news then."""
+        made = self.created.get(key, {}).pop(name, None)
+        return (
+            made is not None
+            and view is not None
+            and view.attempt == made[0]
+            and view.phase == "Pending"
+            and view.node_name is None
+            and not (view.deleting or view.unschedulable or view.waiting_reason or view.disruption)
+            and view.exit_code is None
+        )
+
+    def reports_changed(self, key: str, reports: str) -> bool:
+        """A telemetry ConfigMap event of job `key`: whether its reports differ from the last seen
+        (its creation, with no reports yet, is not news)."""
+        reports = reports.strip() or EMPTY_REPORTS
+        before = self.reports.get(key, EMPTY_REPORTS)
+        self.reports[key] = reports
+        return reports != before
+
     def forget(self, key: str) -> None:
         """A deleted job: drop everything kept for it."""
         self.caches.pop(key, None)
@@ -92,4 +139,8 @@ class State:
         self.known.pop(key, None)
         self.deleted.pop(key, None)
         self.workloads.pop(key, None)
+        self.pod_views.pop(key, None)
+        self.created.pop(key, None)
+        self.reports.pop(key, None)
+        self.unwritten.pop(key, None)
         metrics.set_phase_counts(self.phases)

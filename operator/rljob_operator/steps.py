@@ -47,6 +47,7 @@ from rljob_operator import (
     policy,
     pools,
     reconcile,
+    resync,
     status,
 )
 from rljob_operator.builders import podgroup
@@ -126,12 +127,22 @@ async def reconcile_job(
             try:
                 await _write_status(ctx, observed)
             finally:
-                await post_events(ctx)
+                _post_later(ctx)
             if ctx.retry_s is not None:
                 logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
             return ctx.retry_s
     finally:
         metrics.RECONCILE_SECONDS.labels(cause).observe(time.monotonic() - started)
+
+
+def _post_later(ctx: Ctx) -> None:
+    """Post the reconcile's Events after it: they never hold a reconcile slot or the job's lock,
+    and the API pool serves them after pod creates and status writes (`kube.PRIORITY_EVENT`)."""
+    if not ctx.events:
+        return
+    task = asyncio.create_task(post_events(ctx), name=f"rljob-events-{ctx.key}")
+    ctx.state.posting.add(task)
+    task.add_done_callback(ctx.state.posting.discard)
 
 
 async def run_steps(ctx: Ctx) -> status.Observed:
@@ -383,21 +394,34 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     lost = {r.name for r in elastic_plan.replace}
     await delete_pods(ctx, [n for n in diff.delete if n not in lost], why="stale")
     await delete_pods(ctx, [n for n in diff.delete if n in lost], why="engine-lost")
-    for pod in diff.create:
+    # Pods this operator created that the watch has not shown yet exist: creating them again
+    # would only earn a 409 (`resync.unseen_creates`; forgotten once the watch shows them).
+    made_here = ctx.state.created.setdefault(ctx.key, {})
+    now_s = time.monotonic()
+    in_flight = resync.unseen_creates(
+        made_here, attempt=ctx.attempt, seen={p.name for p in ctx.pods}, now=now_s
+    )
+    for stale in [n for n, (a, when) in made_here.items() if a != ctx.attempt or n not in in_flight]:
+        del made_here[stale]
+    to_create = [pod for pod in diff.create if pod["metadata"]["name"] not in in_flight]
+    for pod in to_create:
         kopf.adopt(pod, owner=ctx.body)
     # Independent objects (each create idempotent): one round trip for all, not one per pod.
-    made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in diff.create))
+    made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in to_create))
     created = []
-    for pod, new in zip(diff.create, made, strict=True):
+    for pod, new in zip(to_create, made, strict=True):
+        pod_name = pod["metadata"]["name"]
         if new:
             metrics.PODS_CREATED.labels(pod["metadata"]["labels"][names.LABEL_ROLE]).inc()
-            created.append(pod["metadata"]["name"])
+            created.append(pod_name)
+            made_here[pod_name] = (ctx.attempt, now_s)
     if created:
         ctx.logger.info(f"reconciled {ctx.key}: created pods {', '.join(created)}")
         post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
     if diff.waiting:
         ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
-    return dataclasses.replace(seen, waiting=diff.waiting + tuple(created)), False
+    starting = tuple(created) + tuple(sorted(in_flight & {p["metadata"]["name"] for p in diff.create}))
+    return dataclasses.replace(seen, waiting=diff.waiting + starting), False
 
 
 def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, elastic.RolloutPodsPlan]:
@@ -611,9 +635,16 @@ def _camel(action: str) -> str:
 
 
 async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
-    """The reconcile's one status write: compute, write only if changed, post Events on transitions."""
+    """The reconcile's one status write: compute, write only if changed, post Events on transitions.
+
+    A starting job's change (its pods coming up, still Pending) may wait for the next pod event,
+    at most `resync.STATUS_COALESCE_S` (`resync.defer_status`): not one write per pod event; a
+    retry is scheduled for the deadline. The first status is written at once."""
     new = status.compute_status(ctx.old, observed, generation=ctx.generation, now=ctx.now)
     patch = status.status_patch(ctx.old_raw, new)
+    if patch is not None and _defer_status(ctx, observed, new):
+        return
+    ctx.state.unwritten.pop(ctx.key, None)
     if patch is not None:
         ctx.state.remember(ctx.key, await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch))
         known = {c.type for c in ctx.old.conditions}
@@ -624,6 +655,28 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
     if new.phase:
         ctx.state.phases[ctx.key] = new.phase
         metrics.set_phase_counts(ctx.state.phases)
+
+
+def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> bool:
+    """Whether this changed status waits for the next reconcile (then a retry is asked for)."""
+    ready = status.find(new.conditions, status.READY)
+    starting = (
+        observed.error is None
+        and observed.decision is None
+        and observed.rollout is None
+        and ready is not None
+        and ready.reason == "PodsPending"
+        and (new.restarts or 0) == ctx.attempt
+    )
+    since = ctx.state.unwritten.get(ctx.key)
+    now_s = time.monotonic()
+    if not resync.defer_status(
+        old_phase=ctx.old.phase, new_phase=new.phase, starting=starting, deferred_since=since, now=now_s
+    ):
+        return False
+    since = ctx.state.unwritten.setdefault(ctx.key, now_s)
+    ctx.retry(since + resync.STATUS_COALESCE_S - now_s, "a starting job's status is written")
+    return True
 
 
 # ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.pools) ----------------------

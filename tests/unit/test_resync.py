@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import threading
 import time
 
@@ -110,3 +112,72 @@ def test_is_newer_compares_etcd_revisions_as_integers(
     candidate: str | None, known: str | None, newer: bool
 ) -> None:
     assert resync.is_newer(candidate, known) is newer
+
+
+# ---- which due job goes first -------------------------------------------------------------------
+def test_pick_starts_jobs_with_pods_to_create_before_earlier_re_reconciles() -> None:
+    due = {"ns/old-1": 1.0, "ns/old-2": 2.0, "ns/new": 3.0, "ns/later": 50.0}
+    start, next_at = resync.pick(due, 10.0, running=(), slots=2, urgent=lambda k: k == "ns/new")
+    assert start == ["ns/new", "ns/old-1"]
+    assert next_at == 50.0  # old-2 waits for a free slot, which wakes the loop itself
+
+
+def test_pick_never_starts_a_running_job_nor_more_than_the_free_slots() -> None:
+    due = {"ns/a": resync.RUNNING, "ns/b": 0.0, "ns/c": 0.0}
+    start, next_at = resync.pick(due, 1.0, running={"ns/a", "ns/b"}, slots=5, urgent=lambda _: False)
+    assert start == ["ns/c"] and next_at == math.inf
+    assert resync.pick(due, 1.0, running=(), slots=0, urgent=lambda _: True)[0] == []
+
+
+def test_a_job_wants_pods_until_one_of_its_current_attempt_exists() -> None:
+    assert resync.wants_pods(0, [])
+    assert resync.wants_pods(1, [0, 0])  # restarted: only the old attempt's pods
+    assert not resync.wants_pods(1, [0, 1])
+
+
+def test_a_free_slot_wakes_the_waiting_loop() -> None:
+    async def scenario() -> float:
+        due = resync.DueTimes()
+        waiter = asyncio.create_task(due.wait(30.0))
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        due.wake()
+        await waiter
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 1.0
+
+
+# ---- what may wait for the next reconcile ----------------------------------------------------------
+def test_a_starting_jobs_pending_writes_wait_for_the_window() -> None:
+    defer = functools.partial(resync.defer_status, starting=True, new_phase="Pending", window_s=1.0)
+    assert defer(old_phase="Pending", deferred_since=None, now=5.0)  # "1/2 pods running"
+    assert defer(old_phase="Pending", deferred_since=5.0, now=5.9)
+    assert not defer(old_phase="Pending", deferred_since=5.0, now=6.0)  # the window is over: write
+
+
+@pytest.mark.parametrize(
+    ("old_phase", "new_phase", "starting"),
+    [
+        (None, "Pending", True),  # a new job's first status: its plan, with its pods
+        ("Pending", "Running", True),  # Running is news
+        (None, "Failed", True),
+        ("Running", "Pending", True),  # a Running job that lost a pod
+        ("Pending", "Pending", False),  # not starting: a restart, an error, an unschedulable pod
+        (None, "Queued", True),
+    ],
+)
+def test_every_other_status_change_is_written_at_once(
+    old_phase: str | None, new_phase: str, starting: bool
+) -> None:
+    assert not resync.defer_status(
+        old_phase=old_phase, new_phase=new_phase, starting=starting, deferred_since=None, now=0.0
+    )
+
+
+def test_pods_created_and_not_yet_watched_are_not_created_again_until_seen_or_timed_out() -> None:
+    created = {"j-trainer-0": (1, 100.0), "j-rollout-0": (1, 100.0), "j-rollout-1": (0, 100.0)}
+    unseen = functools.partial(resync.unseen_creates, created, attempt=1, memory_s=30.0)
+    assert unseen(seen=set(), now=101.0) == {"j-trainer-0", "j-rollout-0"}  # not the old attempt's
+    assert unseen(seen={"j-trainer-0"}, now=101.0) == {"j-rollout-0"}
+    assert unseen(seen=set(), now=130.0) == set()  # a lost create: the next reconcile makes it

@@ -1,0 +1,50 @@
+"""The operator's API pool (rljob_operator.kube.PriorityPool): pod creates before status writes
+before Events, in order among equals; and which calls get which priority."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rljob_operator import kube
+
+
+def test_waiting_calls_run_most_urgent_first_and_in_order_among_equals() -> None:
+    pool = kube.PriorityPool(1)
+    gate, ran = threading.Event(), []
+    try:
+        blocker = pool.submit(kube.PRIORITY_WORK, gate.wait)  # the one thread is busy
+        futures = [
+            pool.submit(prio, lambda what=what: ran.append(what))
+            for prio, what in [
+                (kube.PRIORITY_EVENT, "event"),
+                (kube.PRIORITY_STATUS, "status-1"),
+                (kube.PRIORITY_WORK, "pod-1"),
+                (kube.PRIORITY_STATUS, "status-2"),
+                (kube.PRIORITY_WORK, "pod-2"),
+            ]
+        ]
+        gate.set()
+        for future in [blocker, *futures]:
+            future.result(timeout=5)
+    finally:
+        pool.shutdown()
+    assert ran == ["pod-1", "pod-2", "status-1", "status-2", "event"]
+
+
+def test_a_failing_call_hands_its_exception_to_the_caller_and_the_pool_goes_on() -> None:
+    pool = kube.PriorityPool(1)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(kube.PRIORITY_WORK, lambda: 1 / 0).result(timeout=5)
+        assert pool.submit(kube.PRIORITY_WORK, lambda: 42).result(timeout=5) == 42
+    finally:
+        pool.shutdown()
+
+
+def test_events_go_last_and_rljob_status_writes_after_the_work() -> None:
+    assert kube.priority_of("create", "Event") == kube.PRIORITY_EVENT
+    assert kube.priority_of("patch", "RLJob") == kube.PRIORITY_STATUS
+    for verb, kind in [("create", "Pod"), ("delete", "Pod"), ("create", "ServiceAccount"), ("get", "RLJob")]:
+        assert kube.priority_of(verb, kind) == kube.PRIORITY_WORK
