@@ -151,11 +151,9 @@ class GRPODriver:
         )
         self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
         self._released_pods: set[int] = set()  # drained after a lowered target, not re-added since
-        self._collective = (
-            cfg.rollout.weight_sync == "collective"
-            and cfg.rollout.kind == "transformers"
-            and isinstance(runtime, runtimes.RayRuntime)
-        )
+        self._vllm_api = weight_sync.detect_vllm_weight_transfer() if cfg.rollout.kind == "vllm" else None
+        self.weight_transfer: dict[str, weight_sync.WeightTransferChoice] = {}  # by engine name
+        self._collective = self._transfer_choice(colocated=False).path == weight_sync.PATH_COLLECTIVE
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -213,14 +211,37 @@ class GRPODriver:
     def _sleep_mode(self) -> bool:
         return self.cfg.rollout.enable_sleep_mode
 
+    def _transfer_choice(self, *, colocated: bool) -> weight_sync.WeightTransferChoice:
+        device, _ = trainer.resolve_device_and_backend(self.cfg.distributed)
+        return weight_sync.choose_weight_transfer(
+            engine_kind=self.cfg.rollout.kind,
+            colocated=colocated,
+            weight_sync=self.cfg.rollout.weight_sync,
+            device_type=device,
+            ray=isinstance(self.rt, runtimes.RayRuntime),
+            vllm=self._vllm_api,
+        )
+
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
         self.engines[name] = rollout_pipeline.EngineState(name, handle, colocated, pod_index)
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
         self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
-        if name in self.engines and self._collective:
+        choice = self._transfer_choice(colocated=colocated)
+        if choice not in self.weight_transfer.values():  # once per kind of engine and path
+            log.info(
+                "weight transfer to %s engines: %s, backend %s (%s)",
+                "colocated" if colocated else "dedicated",
+                choice.path,
+                choice.backend,
+                choice.reason,
+            )
+        self.weight_transfer[name] = choice
+        if name in self.engines and choice.path == weight_sync.PATH_COLLECTIVE:
             self._join_weight_group(name)
+        elif name in self.engines and choice.path == weight_sync.PATH_VLLM_NATIVE:
+            self._join_vllm_transfer(name, choice.backend)
         if name not in self.engines:
             raise EngineLost(f"engine {name} was lost while it started")
         self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
@@ -243,13 +264,30 @@ class GRPODriver:
         if name in self.engines:
             self.rt.get(rank_side)
 
+    def _join_vllm_transfer(self, name: str, backend: str) -> None:
+        """vLLM's weight-transfer channel of engine `name`: an nccl group with trainer rank 0 (both
+        sides block until joined), or nothing to open for ipc. NOT RUN here (no GPU, no vLLM)."""
+        handle = self.engines[name].handle
+        if backend == "ipc":
+            self._settle({name: self.rt.submit(handle, "init_weight_transfer", {})}, what="weight transfer")
+            return
+        world = 1 + int(self.rt.get(self.rt.submit(handle, "world_size")))
+        host, port = self.rt.get(self.rt.submit(self.ranks[0], "vllm_transfer_address"))
+        info = {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world}
+        engine_side = self.rt.submit(handle, "init_weight_transfer", info)
+        rank_side = self.rt.submit(self.ranks[0], "vllm_transfer_open", name, host, port, world)
+        self._settle({name: engine_side}, what="weight transfer")
+        if name in self.engines:
+            self.rt.get(rank_side)
+
     def drop_engine(self, name: str, *, lost: bool = False) -> None:
         """Drop an engine: its queued and in-flight requests go back to the queue, its calls are
         forgotten, its weight group on rank 0 is closed. A lost dedicated engine's pod is reported."""
         eng = self.engines.pop(name)
         self.dispatcher.remove_engine(name)
         self.pipeline.forget_engine(name)
-        if self._collective:
+        choice = self.weight_transfer.get(name)
+        if choice is not None and choice.path in (weight_sync.PATH_COLLECTIVE, weight_sync.PATH_VLLM_NATIVE):
             self.rt.submit(self.ranks[0], "weight_group_close", name)  # queued behind the rank's work
         try:
             self.rt.kill(eng.handle)
@@ -442,6 +480,14 @@ class GRPODriver:
         whole-model dict through the object store (rollout.weightSync object-store, vLLM, local mode).
         An engine that fails or hangs is dropped as lost; the others carry on."""
         version = self.weights_version
+        native = [
+            n
+            for n in names
+            if self.weight_transfer.get(n) and self.weight_transfer[n].path == weight_sync.PATH_VLLM_NATIVE
+        ]
+        if native:
+            self._update_vllm_native(native, version)
+        names = [n for n in names if n not in native]
         if not names:
             return
         if self._collective:
@@ -463,6 +509,33 @@ class GRPODriver:
                 },
                 what="weight sync",
             )
+        for n in done:
+            if n in self.engines:
+                self.engines[n].version = version
+
+    def _update_vllm_native(self, names: Sequence[str], version: int) -> None:
+        """The current weights through vLLM's weight-transfer API: nccl engines receive while the ranks
+        broadcast; ipc engines are called by rank 0 with the handles. NOT RUN here (no GPU, no vLLM)."""
+        meta = self.rt.get(self.rt.submit(self.ranks[0], "engine_weight_metadata"))
+        nccl = [n for n in names if self.weight_transfer[n].backend == "nccl"]
+        receiving = {
+            n: self.rt.submit(
+                self.engines[n].handle, "receive_weight_transfer", {**meta, "packed": True}, version
+            )
+            for n in nccl
+        }
+        targets = {
+            n: (self.weight_transfer[n].backend, None if n in nccl else self.engines[n].handle) for n in names
+        }
+        failed = self.rt.get([self.rt.submit(r, "vllm_send_weights", version, targets) for r in self.ranks])[
+            0
+        ]
+        done = set(self._settle(receiving, what="weight sync")) | {n for n in names if n not in nccl}
+        for name, error in failed.items():
+            log.warning("weight transfer to %s failed: %s", name, error)
+            done.discard(name)
+            if name in self.engines:
+                self.drop_engine(name, lost=True)
         for n in done:
             if n in self.engines:
                 self.engines[n].version = version
