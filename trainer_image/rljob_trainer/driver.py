@@ -137,7 +137,7 @@ class GRPODriver:
         self.shared_awake_target = cfg.rollout.shared_engines if cfg.rollout.dedicated_engines == 0 else 0
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
-        self._weights: tuple[int, Any] | None = None
+        self._weights: tuple[tuple[int, str], Any] | None = None
         self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
         self.pipeline = rollout_pipeline.RolloutPipeline(
             cfg,
@@ -463,17 +463,27 @@ class GRPODriver:
         return path
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _current_weights(self) -> Any:
-        """The trainer's merged weights of this version (fetched once per version from the ranks)."""
-        if self._weights is not None and self._weights[0] == self.weights_version:
+    def _current_weights(self, what: str = weight_sync.SEND_MERGED) -> Any:
+        """The trainer's engine weights of this version (`weight_sync.SEND_*`), fetched once per
+        version and kind from the ranks."""
+        key = (self.weights_version, what)
+        if self._weights is not None and self._weights[0] == key:
             return self._weights[1]
-        futures = [self.rt.submit(r, "engine_weights") for r in self.ranks]
-        weights = futures[0]  # rank 0 holds the full merged weights; the others only take part
+        futures = [self.rt.submit(r, "engine_weights", what) for r in self.ranks]
+        weights = futures[0]  # rank 0 holds the full weights; the others only take part
         self.rt.get(futures[1:])
         if isinstance(self.rt, runtimes.LocalRuntime):
             weights = self.rt.get(weights)
-        self._weights = (self.weights_version, weights)
+        self._weights = (key, weights)
         return weights
+
+    def _what_to_send(self, name: str) -> str:
+        """Engines serving LoRA (rollout.engineLora) take only the adapter while their base is intact,
+        base and adapter once a level-2 sleep discarded it; other engines the merged model."""
+        if not self.cfg.rollout.engine_lora:
+            return weight_sync.SEND_MERGED
+        discarded = self.engines[name].version < 0
+        return weight_sync.SEND_BASE_AND_ADAPTER if discarded else weight_sync.SEND_ADAPTER
 
     def _update_engine_weights(self, names: Sequence[str]) -> None:
         """The current weights into `names`: over each engine's weight group (the default), or as one
@@ -487,12 +497,17 @@ class GRPODriver:
         ]
         if native:
             self._update_vllm_native(native, version)
-        names = [n for n in names if n not in native]
-        if not names:
-            return
+        by_what: dict[str, list[str]] = {}
+        for n in names:
+            if n not in native:
+                by_what.setdefault(self._what_to_send(n), []).append(n)
+        for what, group in sorted(by_what.items()):
+            self._send_weights(group, version, what)
+
+    def _send_weights(self, names: Sequence[str], version: int, what: str) -> None:
         if self._collective:
             receiving = {n: self.rt.submit(self.engines[n].handle, "receive_engine_weights") for n in names}
-            sends = [self.rt.submit(r, "send_engine_weights", version, list(names)) for r in self.ranks]
+            sends = [self.rt.submit(r, "send_engine_weights", version, list(names), what) for r in self.ranks]
             failed = self.rt.get(sends)[0]
             for name, error in failed.items():
                 log.warning("weight sync to %s failed: %s", name, error)
@@ -501,7 +516,7 @@ class GRPODriver:
                 if name in self.engines:
                     self.drop_engine(name, lost=True)
         else:
-            weights = self._current_weights()
+            weights = self._current_weights(what)
             done = self._settle(
                 {
                     n: self.rt.submit(self.engines[n].handle, "update_weights", weights, version)

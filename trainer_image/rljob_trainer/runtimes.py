@@ -98,13 +98,14 @@ class Host:
             close()
         self._stores.pop(name, None)
 
-    def send_engine_weights(self, version: int, names: Sequence[str]) -> dict[str, str]:
-        """Every trainer rank: stream the policy's engine weights (LoRA merged) bucket by bucket;
-        rank 0 broadcasts them to the groups of `names`. Returns {engine: error} of failed groups."""
+    def send_engine_weights(self, version: int, names: Sequence[str], what: str = "merged") -> dict[str, str]:
+        """Every trainer rank: stream the policy's engine weights (`weight_sync.SEND_*`: LoRA merged,
+        only the adapter, or base and adapter) bucket by bucket; rank 0 broadcasts them to the groups
+        of `names`. Returns {engine: error} of failed groups."""
         from rljob_trainer import weight_sync
 
         groups = {n: self._groups[n] for n in names if n in self._groups}
-        with self._engine_tensors() as (tensors, dtype):
+        with self._engine_tensors(what) as (tensors, dtype):
             report = weight_sync.send_weights(groups, tensors, version=version, dtype=dtype)
         for name in report.failed:
             self.weight_group_close(name)
@@ -112,19 +113,14 @@ class Host:
         return {**missing, **report.failed} if self.obj.rank == 0 else {}
 
     @contextlib.contextmanager
-    def _engine_tensors(self) -> Iterator[tuple[list[tuple[str, Any]], Any]]:
-        """The policy's tensors an engine loads (LoRA merged in, base-model naming) and the model dtype."""
+    def _engine_tensors(self, what: str = "merged") -> Iterator[tuple[list[tuple[str, Any]], Any]]:
+        """The policy's tensors of one sync (`weight_sync.engine_tensors`) and the model dtype."""
         import torch
 
-        from rljob_trainer import modeling, weight_sync
+        from rljob_trainer import weight_sync
 
-        model = self.obj._parts()[0]
-        dtype = getattr(torch, self._cfg.model.dtype)
-        if modeling.is_lora(model):
-            with weight_sync.merged_lora_tensors(model) as tensors:
-                yield tensors, dtype
-        else:
-            yield weight_sync.model_tensors(model), dtype
+        with weight_sync.engine_tensors(self.obj._parts()[0], what) as tensors:
+            yield tensors, getattr(torch, self._cfg.model.dtype)
 
     # ---- vLLM's weight-transfer API, trainer side (weight_sync.PATH_VLLM_NATIVE) -----------------
     # NOT RUN here (no GPU, no vLLM): follows vLLM's examples/rl/rlhf_nccl.py (commit 3a383407):

@@ -407,6 +407,42 @@ def lora_adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.T
     return list(get_peft_model_state_dict(peft_model).items())
 
 
+def lora_base_and_adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The unmerged base model (base-model naming) and then the adapter: what a LoRA engine whose
+    weights were discarded (sleep level 2) needs to serve the policy again."""
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    return [
+        (name.replace(".base_layer.", "."), tensor)
+        for name, tensor in model_tensors(base)
+        if "lora_" not in name
+    ] + lora_adapter_tensors(peft_model)
+
+
+# What a sync sends an engine: the merged model (engines without LoRA), only the adapter (an engine
+# serving LoRA whose base is intact), or base and adapter (such an engine after a level-2 sleep).
+SEND_MERGED, SEND_ADAPTER, SEND_BASE_AND_ADAPTER = "merged", "adapter", "base+adapter"
+
+
+@contextlib.contextmanager
+def engine_tensors(
+    model: torch.nn.Module, what: str = SEND_MERGED
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors of one sync (`SEND_*`), as references into the model (no copies)."""
+    from rljob_trainer import modeling
+
+    if not modeling.is_lora(model):
+        if what != SEND_MERGED:
+            raise ValueError(f"send {what!r} needs a LoRA model (model.finetune lora)")
+        yield model_tensors(model)
+    elif what == SEND_ADAPTER:
+        yield lora_adapter_tensors(model)
+    elif what == SEND_BASE_AND_ADAPTER:
+        yield lora_base_and_adapter_tensors(model)
+    else:
+        with merged_lora_tensors(model) as tensors:
+            yield tensors
+
+
 # ---- send and receive ------------------------------------------------------------------------------
 @dataclass
 class SendReport:
