@@ -143,8 +143,10 @@ def test_after_a_level_2_sleep_base_and_adapter_restore_the_policy() -> None:
     engine = _engine(lora_cfg, colocated=True)
     engine.sleep(2)
     engine.wake(["weights"])
-    with pytest.raises(Exception):  # noqa: B017 - the adapter alone cannot restore discarded weights
-        engine.wake(["kv_cache"])
+    # The adapter alone cannot restore discarded base weights: the engine still refuses to generate.
+    _sync_over_gloo(engine, weight_sync.lora_adapter_tensors(policy), version=2)
+    engine.wake(["kv_cache"])
+    with pytest.raises(base.WeightsDiscardedError):
         _generate(engine)
     engine = _engine(lora_cfg, colocated=True)
     engine.sleep(2)
