@@ -70,3 +70,29 @@ def test_detection_without_vllm_installed_is_none() -> None:
     else:  # a machine with vLLM: the probe reports its version and what it found
         api = ws.detect_vllm_weight_transfer()
         assert api is not None and api.backends <= {"nccl", "ipc"}
+
+
+@pytest.mark.parametrize(
+    ("model", "rollout", "message"),
+    [
+        ({"finetune": "full"}, {"kind": "transformers"}, "rollout.engineLora needs model.finetune: lora"),
+        ({"finetune": "lora"}, {"kind": "vllm"}, "transformers engine only"),
+    ],
+)
+def test_engine_lora_without_an_adapter_or_on_vllm_is_refused_naming_the_field(
+    model: dict[str, str], rollout: dict[str, str], message: str
+) -> None:
+    from rljob_trainer import config, modeling
+
+    tiny = {
+        "name": "m",
+        "source": "tiny",
+        "hfConfig": modeling.tiny_hf_config(32),
+        "tokenizer": "builtin-digits",
+    }
+    doc = {
+        "model": {**tiny, **model},
+        "rollout": {"engineLora": True, **rollout},
+    }
+    with pytest.raises(ValueError, match=message):
+        config.parse_config(doc)
