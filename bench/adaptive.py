@@ -392,7 +392,7 @@ class RealDecision:
 
 class PolicySink(telemetry_sink.TelemetrySink):
     """The operator's half, in process: each SyncReport history the driver publishes goes through
-    `policy.decide()` with the state the operator would build (`handlers._adapt`), and the targets
+    `policy.decide()` with the state the operator would build (`steps._adapt`), and the targets
     come back at the driver's next `read_targets()`, as they would through `status.rollout`."""
 
     def __init__(

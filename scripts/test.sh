@@ -12,6 +12,7 @@ echo "==> import contracts" >&2
 echo "==> CRD is generated from the API models" >&2
 .venv/bin/rljob crd --check
 echo "==> pytest" >&2
-# Two xdist workers, each with its own control plane on free ports: the e2e jobs spend much of
-# their time waiting on process start-up (the whole suite: 25–30 min measured on 2 cores; the slowest tests are listed at the end).
-exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" --durations=25 "$@"
+# Two xdist workers, each with its own control plane on free ports. The slowest modules come first
+# (tests/conftest.py) and an idle worker steals queued tests from the other (--dist worksteal), so
+# neither starts a job run of minutes while the other has nothing left; the slowest are listed.
+exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"

@@ -5,6 +5,9 @@ built from the Kubernetes Go modules (see `tests/testenv/`), on free loopback po
 temporary folder, and always tears them down. Each xdist worker or parallel run gets its own.
 `kueue` (session scope) adds the real Kueue manager to that cluster.
 When a test that used the cluster fails, the components' log tails are attached to its report.
+The slowest modules run first (`pytest_collection_modifyitems`), so that with xdist's work
+stealing (`scripts/test.sh`) no worker starts a five-minute job run while the other has nothing
+left to do.
 """
 
 from __future__ import annotations
@@ -67,3 +70,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         if isinstance(local, LocalCluster):
             report.sections.append(("control plane logs", local.logs()))
     return report
+
+
+def _module_rank(item: pytest.Item) -> int:
+    """0: end-to-end job runs (minutes each), 1: other slow tests, 2: the rest."""
+    if item.get_closest_marker("e2e") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules whose tests are slowest first, each module's tests kept together and in order (so
+    module-scoped fixtures are set up once per worker); a stable sort, so the rest keep theirs."""
+    rank: dict[str, int] = {}
+    for item in items:
+        rank[item.nodeid.split("::")[0]] = min(rank.get(item.nodeid.split("::")[0], 2), _module_rank(item))
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])

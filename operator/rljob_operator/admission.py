@@ -1,7 +1,7 @@
 """Kueue admission of RLJobs: what the operator's `admission` reconcile step decides, purely.
 
 Role: the functional core between Kueue's Workloads and the job's pods. The shell
-(`handlers._step_admission`, API calls in `kube.Kube`) reads Workloads through a kopf index and
+(`queue_steps.step_admission`, API calls in `kube.Kube`) reads Workloads through a kopf index and
 ResourceFlavors by name; everything it decides comes from here:
 
 - `observe_workload(body) -> WorkloadState`: what a Workload says (QuotaReserved, Admitted,
@@ -10,16 +10,18 @@ ResourceFlavors by name; everything it decides comes from here:
   job's core is cooperative preemption (a separate step builds on this observation).
 - `core_workload(...)` / `engine_workload(...)`: the desired Workloads (builders.workload) with the
   hash of their spec, so a Workload built from an older spec is told apart and replaced while it
-  is still pending.
+  is still pending, and the hash of what Kueue's quota reads of its podSets: `pod_sets_mismatch`
+  says when an admitted one no longer covers the pods (stop the job, rebuild the Workload, as
+  Kueue's jobframework does).
 - `placements(assignments, flavors)`: for each podSet, the union of the nodeLabels and
   tolerations of the ResourceFlavors it was admitted to (Kueue's `podset.FromAssignment`);
   `place_pod(pod, placement)` merges one into a pod spec as Kueue's own integrations do
   (a nodeSelector key the pod already sets to another value is a conflict, an error naming both).
 - `admitted_engines(...)`: how many dedicated rollout pods may exist: the minimum ones (in the core
-  Workload) plus the admitted prefix of the extra engines, each its own lower-priority Workload.
-  `engines_to_release(...)` says which extra engines lost their admission (evicted by Kueue): the
-  one place that decides which extra-engine pods go (a plain removal now; the two-phase drain can
-  take over by lowering the target instead).
+  Workload) plus the admitted prefix of the extra engines, each its own lower-priority Workload:
+  the effective dedicated target. An extra engine Kueue evicts falls outside it, so its pod goes
+  through the two-phase drain (`elastic.plan_rollout_pods`, the one place that decides which
+  rollout pods go); `evicted_engines(...)` names them, for the drain's bounded grace and its Event.
 - `pods_ready_condition(...)`: the PodsReady condition Kueue's jobframework would write (Started,
   WaitForStart, WaitForRecovery, Recovered), or None when the Workload already says it.
 - `queue_status(...)`: the RLJob's `status.queue` while it waits.
@@ -41,6 +43,9 @@ from rljob_operator.builders.common import JobRef, content_hash, deep_copy
 KUEUE_GROUP, KUEUE_VERSION = workload_builder.GROUP, workload_builder.VERSION
 QUEUE_NAME_LABEL = names.KUEUE_QUEUE_LABEL
 ANNOTATION_SPEC_HASH = "rljob.io/workload-spec-hash"
+# What Kueue's quota reads of the podSets (names, counts, requests and placement fields): a change
+# here while admitted means the admission no longer covers the pods (`pod_sets_mismatch`).
+ANNOTATION_POD_SETS_HASH = "rljob.io/workload-pod-sets-hash"
 # Workload condition types and PodsReady reasons (kueue.x-k8s.io/v1beta2 workload_types.go).
 QUOTA_RESERVED = "QuotaReserved"
 ADMITTED = "Admitted"
@@ -92,6 +97,8 @@ class WorkloadState:
     priority: int | None = None
     priority_class: tuple[str, str] | None = None  # (kind, name) of spec.priorityClassRef
     deleting: bool = False
+    pod_sets_hash: str = ""  # ANNOTATION_POD_SETS_HASH ("" on a Workload made before it existed)
+    pod_sets: tuple[tuple[str, int], ...] = ()  # (name, count) of spec.podSets
 
     def _true(self, type_: str) -> bool:
         cond = self.conditions.get(type_)
@@ -168,6 +175,11 @@ def observe_workload(body: Mapping[str, Any]) -> WorkloadState | None:
         priority=(body.get("spec") or {}).get("priority"),
         priority_class=_class_ref((body.get("spec") or {}).get("priorityClassRef")),
         deleting=bool(meta.get("deletionTimestamp")),
+        pod_sets_hash=str((meta.get("annotations") or {}).get(ANNOTATION_POD_SETS_HASH, "")),
+        pod_sets=tuple(
+            (str(p.get("name", "")), int(p.get("count") or 0))
+            for p in (body.get("spec") or {}).get("podSets") or []
+        ),
     )
 
 
@@ -176,8 +188,18 @@ def _class_ref(ref: Mapping[str, Any] | None) -> tuple[str, str] | None:
 
 
 # ---- desired Workloads ---------------------------------------------------------------------------
-def _with_hash(wl: dict[str, Any]) -> dict[str, Any]:
-    wl["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = content_hash(wl["spec"])
+def _role_pods(
+    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+) -> list[tuple[str, Sequence[dict[str, Any]]]]:
+    return [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods)]
+
+
+def _with_hash(
+    wl: dict[str, Any], role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]
+) -> dict[str, Any]:
+    annotations = wl["metadata"].setdefault("annotations", {})
+    annotations[ANNOTATION_SPEC_HASH] = content_hash(wl["spec"])
+    annotations[ANNOTATION_POD_SETS_HASH] = workload_builder.pod_sets_quota_hash(role_pods)
     return wl
 
 
@@ -193,7 +215,8 @@ def core_workload(
     return _with_hash(
         workload_builder.build_workload(
             job, trainer_pods, rollout_pods, queue_name=queue_name, priority=priority
-        )
+        ),
+        _role_pods(trainer_pods, rollout_pods),
     )
 
 
@@ -204,13 +227,41 @@ def engine_workload(
     return _with_hash(
         workload_builder.build_engine_workload(
             job, rollout_pod, index, queue_name=queue_name, core_priority=core_priority
-        )
+        ),
+        [(names.ROLE_ROLLOUT, [rollout_pod])],
     )
 
 
 def is_current(state: WorkloadState, desired: Mapping[str, Any]) -> bool:
     """Whether the Workload was built from the same spec as `desired`."""
     return state.spec_hash == desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+
+
+def pod_sets_mismatch(
+    state: WorkloadState, trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+) -> str:
+    """Why an admitted core Workload no longer covers the job's core pods ("" when it does): the
+    podSets' names, counts, requests or placement changed (the user edited the trainer size or the
+    rollout minimum). Kueue's jobframework then stops the job and replaces its Workload
+    (ensureOneWorkload: a running job with no matching Workload is stopped, the other Workload
+    deleted, a new one created once no pod is active); the shell does the same. A Workload without
+    the annotation (made by an older operator) is taken as matching. Cheap enough for every
+    reconcile (no Workload is built)."""
+    role_pods = _role_pods(trainer_pods, rollout_pods)
+    if not state.pod_sets_hash or state.pod_sets_hash == workload_builder.pod_sets_quota_hash(role_pods):
+        return ""
+
+    def show(sets: Iterable[tuple[str, int]]) -> str:
+        return ", ".join(f"{name}×{count}" for name, count in sets) or "none"
+
+    asked = [(name, len(members)) for name, members in workload_builder.group_pod_sets(role_pods)]
+    same = (
+        "the same podSets with other requests or placement" if asked == list(state.pod_sets) else show(asked)
+    )
+    return (
+        f"Workload {state.name} was admitted for podSets {show(state.pod_sets)}; the spec now asks for "
+        f"{same}: the pods are stopped and the Workload is rebuilt, so Kueue admits the job again"
+    )
 
 
 def pod_set_pods(
@@ -357,14 +408,21 @@ def admitted_engines(core_engines: int, target_engines: int, extra: Mapping[int,
     return count
 
 
-def engines_to_release(
-    core_engines: int, target_engines: int, extra: Mapping[int, WorkloadState], running: Iterable[int]
-) -> list[int]:
-    """Extra engines whose pods must go: those Kueue evicted (or whose Workload is gone) while their
-    pod is up, and every engine after the first such one (indices stay contiguous), and those
-    beyond the target. The one decision a drain can take over."""
-    allowed = admitted_engines(core_engines, target_engines, extra)
-    return sorted(i for i in set(running) if i >= allowed and i >= core_engines)
+def evicted_engines(extra: Mapping[int, WorkloadState], running: Iterable[int]) -> dict[int, str]:
+    """Extra engines whose Workload Kueue evicted while their pod is up: index -> why (Kueue's
+    Evicted reason and message).
+
+    Which pods go is not decided here: `admitted_engines` lowers the effective target below an
+    evicted engine, and `elastic.plan_rollout_pods` drains every rollout pod above it (the
+    two-phase scale-down), the evicted ones within a bounded grace (`elastic.preempted_grace_s`);
+    `stale_engine_workloads` then deletes the evicted Workload once its pod is gone."""
+    up = set(running)
+    out = {}
+    for index, state in sorted(extra.items()):
+        cond = state.evicted
+        if index in up and cond is not None and not state.deleting:
+            out[index] = f"Kueue evicted Workload {state.name} ({cond.reason}: {cond.message})"
+    return out
 
 
 def stale_engine_workloads(

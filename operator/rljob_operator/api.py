@@ -1377,6 +1377,22 @@ class DrainingPod(_Status):
     since: Timestamp = Field(..., description="When the target dropped below it: the drain's start.")
 
 
+class ReplacementBackoff(_Status):
+    """A rollout pod recreated alone after its engine was lost: how often in a row, and when its
+    replacement pod may be created."""
+
+    index: int = Field(..., ge=0, description="Rollout pod index (pod <job>-rollout-<index>).")
+    attempt: int = Field(..., ge=0, description="The run attempt the losses were counted in.")
+    replacements: int = Field(
+        ..., ge=1, description="Times in a row its engine was lost and the pod recreated alone."
+    )
+    not_before: Timestamp = Field(
+        ...,
+        description="The replacement pod is not created before this time: at once after the first loss, "
+        "then spec.restartPolicy's backoff (initialBackoffSeconds doubling up to maxBackoffSeconds).",
+    )
+
+
 class RolloutStatus(_Status):
     """Rollout engines now and what adaptive mode last decided."""
 
@@ -1411,6 +1427,12 @@ class RolloutStatus(_Status):
         ge=0,
         description="Rollout pods recreated alone after their engine was lost (failed, evicted, deleted or "
         "reported lost by the driver); never a gang restart, never counted in failures.",
+    )
+    replacement_backoff: list[ReplacementBackoff] | None = Field(
+        None,
+        max_length=1024,
+        description="Rollout pods recreated alone, each with its own backoff (a crash-looping engine waits, "
+        "the gang does not); an entry goes once its pod has run for 2 × restartPolicy.maxBackoffSeconds.",
     )
 
     @model_validator(mode="after")

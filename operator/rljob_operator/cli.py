@@ -132,6 +132,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                 spec,
                 _model_config(spec, args.model_config),
                 only=args.only,
+                gang=args.gang,
             )
         except errors.RLJobError as exc:
             print(f"rljob render: {exc.reason}: {exc}", file=sys.stderr)
@@ -232,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render_cmd.add_argument("-n", "--namespace", help="namespace of the objects (default: the manifest's)")
     render_cmd.add_argument("--model-config", help="the model's config.json (needed for configMapRef)")
+    render_cmd.add_argument(
+        "--gang",
+        action="store_true",
+        help="as on a cluster serving scheduling.k8s.io/v1beta1 PodGroups: add the job's PodGroup and "
+        "the core pods' schedulingGroup (default: plain pods, as without that API)",
+    )
     render_cmd.set_defaults(func=cmd_render)
 
     crd_cmd = sub.add_parser("crd", help="generate crds/ from the API models")

@@ -1,6 +1,6 @@
 """From an RLJob spec to the estimator's plan: the one adapter between `api` and `estimator`.
 
-Called by the operator's reconcile (`handlers._compute_plan`) and by `rljob plan`, so both see the
+Called by the operator's reconcile (`steps._compute_plan`) and by `rljob plan`, so both see the
 same numbers; `plan_status` is the plan as `status.plan` and the builders see it. Pure: the model
 config is passed in, already read by the caller.
 """

@@ -1,6 +1,6 @@
 """Cooperative preemption: what the operator does when Kueue evicts or preempts a job's Workload.
 
-Role: the functional core of the shell's `preemption` reconcile step (`handlers._step_preemption`).
+Role: the functional core of the shell's `preemption` reconcile step (`queue_steps.step_preemption`).
 Kueue's own integrations (jobframework's reconciler, "handle eviction") stop the job at once, and
 once no pod is active they clear the reservation: `Requeued` (True after a preemption or node
 failures), `QuotaReserved=False` (reason Pending, Kueue's eviction message), `admission` removed,

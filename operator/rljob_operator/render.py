@@ -5,6 +5,14 @@ estimator (`planning.plan_job`) and builds with the same builders the operator a
 (`builders.build_job_objects`), for the first run attempt. Nothing talks to a cluster: a
 `configMapRef` model config is given as a file instead. Owner references are the only thing the
 operator adds when it applies these (they need the RLJob's uid).
+
+Native gang scheduling depends on the cluster: the operator makes a `scheduling.k8s.io/v1beta1`
+PodGroup (and sets the core pods' `spec.schedulingGroup`) only where the apiserver serves that
+API (Kubernetes 1.37 with GenericWorkload). Offline, render cannot ask, so it renders the plain
+pods by default, as on a cluster without the API; `gang=True` (`rljob render --gang`) renders
+what a cluster with the API gets: the PodGroup before the pods, and the core pods in it
+(`builders.podgroup`, the same builders the operator's gang step uses). Kueue's Workloads are
+not rendered: they depend on the cluster's queues.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rljob_operator import api, builders, planning
+from rljob_operator.builders import podgroup
 
 Only = Literal["all", "trainer-config", "pods", "rbac"]
 ONLY_CHOICES: tuple[str, ...] = ("all", "trainer-config", "pods", "rbac")
@@ -24,6 +33,7 @@ def render_job(
     model_config: dict[str, Any],
     *,
     only: Only = "all",
+    gang: bool = False,
 ) -> list[dict[str, Any]]:
     """The objects (plain dicts) for RLJob `namespace/name`; `only` narrows them.
 
@@ -32,6 +42,8 @@ def render_job(
     - trainer-config: the trainer's configuration (`rljob_trainer.config.TrainerConfig`, as the
       pods read it from `<job>-config`);
     - pods / rbac: those objects only.
+    `gang`: as on a cluster that serves PodGroups: the job's PodGroup (before the pods, with
+    `all`) and the core pods' `spec.schedulingGroup`.
     Raises `errors.RLJobError` (estimator, builders) with the field and the fix.
     """
     plan = planning.plan_status(planning.plan_job(spec, model_config))
@@ -41,8 +53,18 @@ def render_job(
         cfg = builders.render_trainer_config(spec, plan, model_config)
         return [cfg.model_dump(mode="json", by_alias=True)]
     objects = builders.build_job_objects(job, spec, plan, layout, model_config)
+    pods = list(objects.pods)
+    groups: list[dict[str, Any]] = []
+    if gang:
+        members = podgroup.job_gang(job, spec, plan, layout)
+        pods = podgroup.with_gang(pods, members)
+        groups = [
+            podgroup.build_pod_group(
+                job, min_count=members.min_count, priority_class_name=spec.trainer_pool.priority_class_name
+            )
+        ]
     if only == "pods":
-        return list(objects.pods)
+        return pods
     if only == "rbac":
         return list(objects.rbac)
-    return objects.all()
+    return [*(o for o in objects.all() if o["kind"] != "Pod"), *groups, *pods]

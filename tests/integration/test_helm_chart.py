@@ -41,7 +41,7 @@ RBAC_GROUP = "rbac.authorization.k8s.io"
 
 Rules = dict[tuple[str, str], set[str]]
 
-# What operator/rljob_operator/handlers.py and kopf (standalone) call, per (apiGroup, resource).
+# What the operator (handlers, steps, queue_steps) and kopf (standalone) call, per (apiGroup, resource).
 # The chart's rules must equal these: a wider grant fails here, a missing one fails the reconcile.
 NAMESPACED_RULES: Rules = {
     ("rljob.io", "rljobs"): {"get", "list", "watch", "patch", "delete"},

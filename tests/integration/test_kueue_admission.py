@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -214,7 +215,9 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
     """Adaptive mode adds a dedicated engine: its own Workload (priority one below the core's)
     waits while the quota holds only the core, its pod appears once the quota grows, and a
     higher-priority Workload makes Kueue preempt the extra engine, not the job's core: the rollout
-    pod goes, the trainer pods stay, and the engine queues again."""
+    pod drains (status.rollout.drainingPods, a RolloutPodDraining Event) and goes within the
+    bounded grace, its Workload with it, the trainer pods stay, the job never fails, and the engine
+    queues again."""
     pool_name = pool(3, per_node=1, resource=None)
     flavor, cq = f"flavor-{namespace}"[:63], f"cq-{namespace}"[:63]
     queues = kueue_env.queue_manifests(
@@ -238,8 +241,11 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 "calmSyncPointsBeforeScaleDown": 2,
                 "cooldownSeconds": 0,
             },
+            # A preempted engine drains within min(drainGraceSeconds, checkpointGraceSeconds): 6 s.
+            "rollout": {"tensorParallel": 1, "drainGraceSeconds": 300},
         }
     )
+    job["spec"]["preemption"] = {"checkpointGraceSeconds": 6}
     step = 0
 
     def feed(shared_awake: int) -> None:
@@ -322,6 +328,36 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
             urgent["spec"]["podSets"] = urgent["spec"]["podSets"][1:]  # one 1-cpu pod
             urgent["spec"]["priority"] = 1000
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(urgent))
+            phases: list[str] = []
+
+            def draining() -> Any:
+                st = job_status(cluster, namespace, "ada")
+                phases.append(st.get("phase", ""))
+                drains = (st.get("rollout") or {}).get("drainingPods")
+                return drains if drains and live("rollout") == ["ada-rollout-0"] else None
+
+            # Kueue evicts the extra engine's Workload: the pod drains before it goes (the two-phase
+            # scale-down). No driver runs here, so no release comes: the bounded grace deletes it.
+            (drain,) = wait_for("the evicted engine's pod marked draining", draining, 30, interval_s=0.1)
+            assert drain["index"] == 0
+            since = datetime.fromisoformat(drain["since"].replace("Z", "+00:00")).timestamp()
+            urgent_wl = cluster.get_json("workload", "rljob-urgent", namespace=namespace)
+            assert wl_condition(urgent_wl, "Admitted").get("status") != "True"  # the quota is still held
+            assert (
+                wl_condition(
+                    cluster.get_json("workload", "rljob-ada-rollout-0", namespace=namespace), "Evicted"
+                ).get("status")
+                == "True"
+            )
+
+            def engine_gone() -> bool:
+                phases.append(job_status(cluster, namespace, "ada").get("phase", ""))
+                return live("rollout") == []
+
+            wait_for("the drained engine's pod deleted", engine_gone, 30, interval_s=0.1)
+            assert time.time() - since >= 5, "deleted before the bounded drain grace (6 s)"
+            assert time.time() - since < 60, "the drain grace was not bounded by checkpointGraceSeconds"
+            # Its Workload goes with the pod: the quota is back, and Kueue admits the urgent one.
             wait_for(
                 "the urgent Workload admitted",
                 lambda: (
@@ -332,7 +368,12 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 ),
                 60,
             )
-            assert live("rollout") == []  # the evicted engine's pod is gone
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=ada"
+            ).stdout
+            assert "Kueue evicted Workload rljob-ada-rollout-0" in events and "RolloutPodDraining" in events
+            assert "RolloutPodDrained" in events
+            assert "Failed" not in phases, phases  # no scale-down fails the job
             assert sorted(live("trainer")) == ["ada-trainer-0", "ada-trainer-1"]  # the core stays
             core = cluster.get_json("workload", "rljob-ada", namespace=namespace, check=True)
             assert wl_condition(core, "Admitted")["status"] == "True" and wl_condition(core, "Evicted") == {}
@@ -348,10 +389,11 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 ),
             )
             # The core runs on: Running with the pods it has (the engine waits for quota again).
-            wait_for(
+            st = wait_for(
                 "the job Running on its core",
-                lambda: job_status(cluster, namespace, "ada")["phase"] == "Running",
+                lambda: (s := job_status(cluster, namespace, "ada"))["phase"] == "Running" and s,
             )
+            assert not st.get("failures") and not st.get("restarts") and not st.get("disruptions"), st
 
             # Suspended, the job holds no quota: its Workloads go, and resuming queues it again.
             suspend = {"spec": {"suspend": True}}
@@ -377,6 +419,94 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 "the resumed job's Workload back",
                 lambda: cluster.get_json("workload", "rljob-ada", namespace=namespace) is not None,
             )
+    finally:
+        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+
+
+def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
+    cluster: Any,
+    crd: None,
+    kueue: kueue_env.Kueue,
+    namespace: str,
+    pool: Callable[..., str],
+    kubeconfig_env: None,
+) -> None:
+    """The user raises the rollout minimum of a running, admitted job: the admitted Workload no
+    longer covers its pods, so (as Kueue's jobframework does) the operator stops the job, deletes
+    the Workload once no pod is left, and creates one for the new spec; Kueue admits it and the job
+    runs again with the new pods, never beyond the admitted quota and never Failed."""
+    pool_name = pool(4, per_node=1, resource=None)
+    flavor, cq = f"flavor-{namespace}"[:63], f"cq-{namespace}"[:63]
+    queues = kueue_env.queue_manifests(
+        namespace=namespace,
+        flavor=flavor,
+        cluster_queue=cq,
+        local_queue="team-queue",
+        quota={"cpu": "4", "memory": "8Gi"},
+        node_labels={"pool": pool_name},
+    )
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(queues))
+    phases: list[str] = []
+
+    def status_now() -> dict[str, Any]:
+        st = job_status(cluster, namespace, "grow")
+        phases.append(st.get("phase", ""))
+        return st
+
+    try:
+        with operator(namespace):
+            apply(cluster, namespace, cpu_rljob("grow", {"kueue.x-k8s.io/queue-name": "team-queue"}))
+            first = wait_for("the admitted job's 3 pods running", running_pods(cluster, namespace, "grow", 3))
+            old_uids = {p["metadata"]["uid"] for p in first}
+            old_wl = cluster.get_json("workload", "rljob-grow", namespace=namespace, check=True)
+            wait_for("the job Running", lambda: status_now().get("phase") == "Running")
+
+            grow = {
+                "spec": {
+                    "resources": {
+                        "totalAccelerators": 4,
+                        "static": {"trainerAccelerators": 2, "rolloutAccelerators": 2},
+                    }
+                }
+            }
+            cluster.kubectl("patch", "rljob", "grow", "-n", namespace, "--type=merge", "-p", json.dumps(grow))
+
+            live_counts: list[int] = []
+
+            def rebuilt() -> dict[str, Any] | None:
+                status_now()
+                live = [
+                    p for p in pods(cluster, namespace, "grow") if not p["metadata"].get("deletionTimestamp")
+                ]
+                wl = cluster.get_json("workload", "rljob-grow", namespace=namespace)
+                fresh = wl and wl["metadata"]["uid"] != old_wl["metadata"]["uid"]
+                if not fresh:
+                    live_counts.append(len(live))
+                return wl if fresh else None
+
+            wl = wait_for("the Workload rebuilt for the new spec", rebuilt, 90)
+            assert max(live_counts) <= 3, "a pod the old admission does not cover was created"
+            assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [
+                ("trainer", 2),
+                ("rollout", 2),
+            ]
+            assert wl["metadata"]["ownerReferences"][0]["name"] == "grow"
+            items = wait_for(
+                "the readmitted job's 4 pods running", running_pods(cluster, namespace, "grow", 4), 90
+            )
+            assert not old_uids & {p["metadata"]["uid"] for p in items}, "an old pod outlived its Workload"
+            assert all(p["spec"]["nodeSelector"] == {"pool": pool_name} for p in items)
+            st = wait_for(
+                "the job Running again", lambda: (s := status_now()).get("phase") == "Running" and s
+            )
+            assert st["queue"]["admitted"] is True and not st.get("failures"), st
+            assert "Failed" not in phases, phases
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=grow"
+            ).stdout
+            assert "WorkloadOutOfSync" in events and "WorkloadRebuilt" in events
     finally:
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)

@@ -10,7 +10,8 @@ high-priority job arrives; Kueue evicts the low one's Workload. The operator wri
 it in its SyncReport, the operator deletes the pods and clears the reservation as Kueue's own
 integrations do; the low job is Queued (a disruption, not a failure). The high job runs to
 Succeeded, Kueue readmits the low one, and its driver resumes at the acknowledged step: the run's
-report history has every step once, none lost or repeated beyond the forced checkpoint.
+report history has every step once, none lost or repeated beyond the forced checkpoint. The
+preempted pods' local processes (Ray's daemons included) are all gone once they are deleted.
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ def checkpoint_claim(cluster: Any, namespace: str, folder: Path) -> str:
         ),
     )
     return name
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def tiny_job(name: str, pool: str, *, steps: int, priority_class: str, claim: str | None) -> dict[str, Any]:
@@ -194,6 +203,8 @@ def test_a_preempted_job_checkpoints_on_request_waits_queued_and_resumes_at_that
                 before = wait_for("the low-priority job to train 3 steps", training, 480, interval_s=1.0)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{logs(cluster, namespace, 'low')}") from None
+            pids = cluster.kubelet.local_pids(namespace, "low-trainer-0")
+            assert len(pids) >= 2, pids  # the pod's process and the Ray daemons `ray start` spawned
 
             # 2. The high-priority job arrives: Kueue preempts the low one, whose driver
             # checkpoints on request; the pods go and the low job waits, Queued.
@@ -211,6 +222,9 @@ def test_a_preempted_job_checkpoints_on_request_waits_queued_and_resumes_at_that
                 st = wait_for("the low job preempted and Queued", queued, 300, interval_s=0.5)
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{logs(cluster, namespace, 'low', 'high')}") from None
+            # The pods deleted mid-run leave no process behind: the kubelet SIGTERMs (then SIGKILLs)
+            # each pod's processes, Ray's daemons included, before it confirms the deletion.
+            assert not [pid for pid in pids if _alive(pid)], pids
             history = reports(cluster, namespace, "low")
             acks = [r for r in history if r.checkpoint_ack]
             assert len(acks) == 1, [r.model_dump(by_alias=True) for r in history]

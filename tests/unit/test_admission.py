@@ -8,6 +8,7 @@ PodsReady following Kueue's jobframework reasons, and the RLJob's status showing
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
@@ -79,6 +80,40 @@ def test_core_workload_hash_tells_a_changed_spec() -> None:
     assert not admission.is_current(seen, bigger)
 
 
+def test_an_admitted_workload_that_no_longer_covers_the_pods_is_told_apart() -> None:
+    """Kueue's jobframework stops a job whose Workload no longer matches it and replaces the
+    Workload: the podSets' counts or requests changed. Anything else the pods carry does not."""
+    trainers, rollouts = job_pods(make_spec(24, 16, 8))
+    desired = admission.core_workload(JOB, trainers, rollouts, queue_name="q", priority=None)
+    admitted = admission.observe_workload({**desired, "status": {}})
+    assert admitted is not None and admitted.pod_sets == (("trainer", 2), ("rollout", 1))
+    assert admission.pod_sets_mismatch(admitted, trainers, rollouts) == ""
+    # an env change is not a podSet change (though the Workload spec differs)
+    env = [
+        {**p, "spec": {**p["spec"], "containers": [{**p["spec"]["containers"][0], "env": []}]}}
+        for p in trainers
+    ]
+    same = admission.core_workload(JOB, env, rollouts, queue_name="q", priority=None)
+    assert not admission.is_current(admitted, same)
+    assert admission.pod_sets_mismatch(admitted, env, rollouts) == ""
+    # more trainer pods, or a bigger rollout minimum
+    why = admission.pod_sets_mismatch(admitted, *job_pods(make_spec(40, 24, 16)))
+    assert "trainer×2, rollout×1" in why and "trainer×3, rollout×2" in why and "rebuilt" in why
+    # same counts, other requests: the trainer pods ask for more memory
+    container = trainers[0]["spec"]["containers"][0]
+    resources = {
+        **container["resources"],
+        "requests": {**container["resources"]["requests"], "memory": "999Gi"},
+    }
+    bigger = [
+        {**p, "spec": {**p["spec"], "containers": [{**container, "resources": resources}]}} for p in trainers
+    ]
+    assert "other requests or placement" in admission.pod_sets_mismatch(admitted, bigger, rollouts)
+    # a Workload from an operator without the annotation: taken as matching
+    old = dataclasses.replace(admitted, pod_sets_hash="")
+    assert admission.pod_sets_mismatch(old, *job_pods(make_spec(40, 24, 16))) == ""
+
+
 def test_engine_workload_is_one_pod_below_the_core_priority() -> None:
     _, rollouts = job_pods(make_spec(24, 16, 8))
     wl = admission.engine_workload(JOB, rollouts[0], 2, queue_name="q", core_priority=100)
@@ -134,22 +169,25 @@ def test_pod_set_pods_follow_the_workload_grouping() -> None:
     assert sorted(by_pod) == ["demo-rollout-0", "demo-trainer-0", "demo-trainer-1"]
 
 
-def test_extra_engines_admitted_as_a_prefix_and_released_when_evicted() -> None:
+def test_extra_engines_admitted_as_a_prefix_and_evicted_ones_fall_outside_it() -> None:
     admitted = state(ADMITTED, engine=1)
     pending = state({"QuotaReserved": ("False", "Pending")}, engine=2)
-    evicted = state({**ADMITTED, "Evicted": ("True", "Preempted")}, engine=1)
+    evicted = state({**ADMITTED, "Evicted": ("True", "Preempted")}, engine=1, name="rljob-demo-rollout-1")
     # one core engine, target 3: engine 1 admitted, engine 2 waits
     assert admission.admitted_engines(1, 3, {1: admitted, 2: pending}) == 2
     assert admission.admitted_engines(1, 3, {2: state(ADMITTED, engine=2)}) == 1  # no gap: 1 is missing
-    assert admission.engines_to_release(1, 3, {1: admitted, 2: pending}, running=[0, 1]) == []
-    # Kueue evicts engine 1: its pod goes, and engine 2's with it (indices stay contiguous)
-    assert admission.engines_to_release(1, 3, {1: evicted, 2: state(ADMITTED, engine=2)}, [0, 1, 2]) == [1, 2]
-    # the core engine never goes through here
-    assert admission.engines_to_release(1, 1, {}, running=[0]) == []
+    assert admission.evicted_engines({1: admitted, 2: pending}, running=[0, 1]) == {}
+    # Kueue evicts engine 1: the effective target drops below it, and below engine 2 (indices stay
+    # contiguous), so both pods drain; only engine 1 is named as evicted (its drain grace is bounded)
+    extra = {1: evicted, 2: state(ADMITTED, engine=2)}
+    assert admission.admitted_engines(1, 3, extra) == 1
+    (why,) = admission.evicted_engines(extra, running=[0, 1, 2]).items()
+    assert why[0] == 1 and "rljob-demo-rollout-1" in why[1] and "Preempted" in why[1]
+    assert admission.evicted_engines(extra, running=[0]) == {}  # its pod gone: nothing to drain
     # evicted Workload with its pod gone is deleted (its quota back); beyond the target too
     extra = {1: evicted, 2: state(ADMITTED, engine=2, name="rljob-demo-rollout-2")}
     assert admission.stale_engine_workloads(1, 2, extra, running=[0]) == [
-        "rljob-demo",
+        "rljob-demo-rollout-1",
         "rljob-demo-rollout-2",
     ]
     assert admission.stale_engine_workloads(1, 3, extra, running=[0, 1]) == []

@@ -108,3 +108,92 @@ def test_lost_engines_are_replaced_alone() -> None:
     assert plan([pod(0)]).replace == ()  # a healthy pod stays
     # the trainers are never in the plan
     assert all("trainer" not in r.name for r in plan([failed], target=1).replace)
+
+
+def test_a_kueue_evicted_engine_drains_within_the_shorter_grace() -> None:
+    """Kueue evicted engine 1's Workload (the admission step lowered the target to 1): the pod is
+    drained, not deleted, and its grace is bounded by preempted_grace, while another drain keeps
+    drainGraceSeconds."""
+    evicted = {1: "Kueue evicted Workload rljob-demo-rollout-1 (Preempted: ...)"}
+    first = plan([pod(0), pod(1), pod(2)], preempted=evicted, preempted_grace=30)
+    assert first.keep == ("demo-rollout-1", "demo-rollout-2") and first.expired == first.released == ()
+    assert [d.index for d in first.draining] == [1, 2] and first.retry_s == 30
+    draining = list(first.draining)
+    later = plan([pod(0), pod(1), pod(2)], draining=draining, preempted=evicted, preempted_grace=30,
+                 now=T0 + timedelta(seconds=30))  # fmt: skip
+    assert later.expired == (1,) and later.keep == ("demo-rollout-2",) and later.retry_s == 270
+    # the driver's release still wins before the grace ends
+    ack = report(T0 + timedelta(seconds=3), released=(1,))
+    acked = plan([pod(0), pod(1)], draining=draining[:1], preempted=evicted, preempted_grace=30,
+                 reports=[ack], now=T0 + timedelta(seconds=5))  # fmt: skip
+    assert acked.released == (1,) and acked.keep == ()
+    # the bound never lengthens drainGraceSeconds
+    assert plan([pod(0), pod(1)], grace_s=10, preempted=evicted, preempted_grace=30).retry_s == 10
+
+
+def test_preempted_grace_is_the_shorter_of_drain_and_checkpoint_grace() -> None:
+    spec = api.RLJobSpec.model_validate(
+        {"model": {"name": "m", "source": {"tiny": {}}, "config": {"preset": "qwen2.5-0.5b"}},
+         "data": {"source": {"builtin": {"name": "toy-arithmetic"}}},
+         "resources": {"accelerator": {"kind": "cpu"}, "totalAccelerators": 2, "acceleratorsPerNode": 1,
+                       "rollout": {"drainGraceSeconds": 120}},
+         "preemption": {"checkpointGraceSeconds": 45}}
+    )  # fmt: skip
+    assert elastic.preempted_grace_s(spec) == 45
+    longer = spec.model_copy(update={"preemption": api.PreemptionSpec(checkpoint_grace_seconds=600)})
+    assert elastic.preempted_grace_s(longer) == 120
+
+
+POLICY = api.RestartPolicySpec(initial_backoff_seconds=10, max_backoff_seconds=40)
+
+
+def backoffs(out: elastic.RolloutPodsPlan) -> list[tuple[int, int, float]]:
+    return [(b.index, b.replacements, (b.not_before - T0).total_seconds()) for b in out.backoff]
+
+
+def test_a_crash_looping_rollout_pod_waits_a_growing_backoff() -> None:
+    """First loss: replaced at once; each loss in a row after it doubles the wait (10, 20, 40, 40 s);
+    the pod's name stays free (held) until its backoff ends; other indices are not affected."""
+    failed = pod(0, "Failed", exit_code=1)
+    first = plan([failed, pod(1)], target=2, restart_policy=POLICY)
+    assert [r.name for r in first.replace] == ["demo-rollout-0"] and first.replace[0].replacements == 1
+    assert backoffs(first) == [(0, 1, 0)] and first.hold == () and first.retry_s is None
+    record = list(first.backoff)
+    waits = []
+    for _ in range(4):
+        again = plan([failed, pod(1)], target=2, backoff=record, restart_policy=POLICY)
+        (b,) = again.backoff
+        waits.append((b.not_before - T0).total_seconds())
+        assert again.hold == (0,) and again.retry_s == waits[-1]
+        assert again.replace[0].not_before == b.not_before and again.replace[0].replacements == b.replacements
+        record = list(again.backoff)
+    assert waits == [10, 20, 40, 40]
+    # while the backoff runs, the missing pod is held; once it ends, the pod diff creates it
+    gone = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=39))
+    assert gone.hold == (0,) and gone.retry_s == 1 and gone.backoff == tuple(record)
+    due = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=40))
+    assert due.hold == () and due.retry_s is None and due.backoff == tuple(record)
+
+
+def test_the_backoff_resets_once_the_replacement_ran_long_enough() -> None:
+    record = [api.ReplacementBackoff(index=0, attempt=0, replacements=3, not_before=T0)]
+    created = T0.timestamp() + 5  # created 5 s after the backoff ended
+    healthy = pod(0, created=created)
+    reset_s = elastic.BACKOFF_RESET_FACTOR * POLICY.max_backoff_seconds
+    soon = plan([healthy], backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=reset_s + 4))
+    assert soon.backoff == tuple(record)  # not yet: counted from the pod's creation
+    later = plan([healthy], backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=reset_s + 5))
+    assert later.backoff == () and later.replace == ()
+    # a pending pod is not healthy, however long it waits
+    pending = pod(0, "Pending", created=created)
+    assert plan([pending], backoff=record, restart_policy=POLICY, now=T0 + timedelta(hours=1)).backoff
+    # after a reset the next loss is a first loss again: replaced at once
+    fresh = plan([pod(0, "Failed", created=created)], backoff=list(later.backoff), restart_policy=POLICY)
+    assert fresh.hold == () and fresh.replace[0].replacements == 1
+
+
+def test_backoff_records_of_another_attempt_or_above_the_target_are_dropped() -> None:
+    old = api.ReplacementBackoff(index=0, attempt=0, replacements=4, not_before=T0 + timedelta(minutes=5))
+    above = api.ReplacementBackoff(index=1, attempt=1, replacements=2, not_before=T0 + timedelta(minutes=5))
+    out = plan([], attempt=1, target=1, backoff=[old, above], restart_policy=POLICY)
+    assert out.backoff == () and out.hold == ()

@@ -59,3 +59,37 @@ def test_render_reports_estimator_errors_with_their_reason(
     assert cli.main(["render", "-f", str(path)]) == 2
     err = capsys.readouterr().err
     assert "InvalidModelConfig" in err and "num_attention_heads" in err
+
+
+def test_render_gang_adds_the_pod_group_and_the_pods_scheduling_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--gang` renders what a cluster serving PodGroups gets (the operator's gang step): the
+    PodGroup before the pods, its minCount the trainer pods plus the plan's rollout pods, each of
+    them naming it; without the flag, the plain pods (a cluster without the API)."""
+    path = str(Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-ascend-910b.yaml")
+    assert cli.main(["render", "-f", path, "-o", "json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["items"]
+    assert "PodGroup" not in {o["kind"] for o in plain}
+    assert all("schedulingGroup" not in o["spec"] for o in plain if o["kind"] == "Pod")
+    assert cli.main(["render", "-f", path, "-o", "json", "--gang"]) == 0
+    items = json.loads(capsys.readouterr().out)["items"]
+    kinds = [o["kind"] for o in items]
+    (group,) = [o for o in items if o["kind"] == "PodGroup"]
+    pods = [o for o in items if o["kind"] == "Pod"]
+    assert kinds.index("PodGroup") < kinds.index("Pod")  # the group exists before its pods
+    assert group["apiVersion"] == "scheduling.k8s.io/v1beta1"
+    roles = sorted({p["metadata"]["labels"][names.LABEL_ROLE] for p in pods})
+    assert roles == [names.ROLE_ROLLOUT, names.ROLE_TRAINER]  # the core: trainers and rollout pods
+    assert group["spec"]["schedulingPolicy"]["gang"]["minCount"] == len(pods)
+    assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in pods} == {group["metadata"]["name"]}
+    # the rest is the same objects as without the flag
+    assert [o for o in items if o["kind"] != "PodGroup"] == [
+        {**o, "spec": {**o["spec"], "schedulingGroup": {"podGroupName": group["metadata"]["name"]}}}
+        if o["kind"] == "Pod"
+        else o
+        for o in plain
+    ]
+    assert cli.main(["render", "-f", path, "--only", "pods", "--gang", "-o", "json"]) == 0
+    only = json.loads(capsys.readouterr().out)["items"]
+    assert {o["kind"] for o in only} == {"Pod"} and all(o["spec"]["schedulingGroup"] for o in only)

@@ -47,6 +47,19 @@ def test_parse_targets_from_rljob_status():
     obj = {"status": {"rollout": {"desiredSharedAwake": 1, "desiredDedicatedEngines": 3}}}
     assert telemetry_sink.parse_targets(obj) == telemetry_sink.EngineTargets(1, 3)
     assert telemetry_sink.parse_targets({}) == telemetry_sink.EngineTargets(None, None)
+
+
+def test_a_draining_rollout_pod_lowers_the_dedicated_target_below_it():
+    """Kueue evicted engine 1's Workload: the operator drains pod 1 (and keeps desired at 3 so the
+    engine queues again); the driver must release engines 1 and 2 as for a lowered target."""
+    since = "2026-12-01T10:00:00Z"
+    rollout = {"desiredSharedAwake": 1, "desiredDedicatedEngines": 3}
+    draining = {**rollout, "drainingPods": [{"index": 2, "since": since}, {"index": 1, "since": since}]}
+    assert telemetry_sink.parse_targets({"status": {"rollout": draining}}).desired_dedicated_engines == 1
+    assert telemetry_sink.parse_targets({"status": {"rollout": rollout}}).desired_dedicated_engines == 3
+    # A drain above the desired count (an ordinary scale-down) changes nothing.
+    lowered = {**rollout, "desiredDedicatedEngines": 1, "drainingPods": [{"index": 1, "since": since}]}
+    assert telemetry_sink.parse_targets({"status": {"rollout": lowered}}).desired_dedicated_engines == 1
     assert telemetry_sink.prometheus_name("dp_balance/plan_ms") == "rljob_dp_balance_plan_ms"
 
 

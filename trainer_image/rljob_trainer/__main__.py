@@ -104,7 +104,10 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
             )
             + 1
         )
+        # address="local": always a private instance. Without it, ray.init attaches to the newest
+        # cluster `ray start` left on this machine (another job's pod, on a shared node or in tests).
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             num_gpus=accelerators if d.accelerator == "GPU" else 0,
             resources=resources,

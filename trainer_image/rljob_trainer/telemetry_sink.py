@@ -55,7 +55,12 @@ def parse_checkpoint_request(status: Mapping[str, Any]) -> CheckpointRequest | N
 
 def parse_targets(rljob: Mapping[str, Any]) -> EngineTargets:
     """Pure: read `status.rollout.desiredSharedAwake` / `desiredDedicatedEngines` and
-    `status.checkpointRequest` from an RLJob object."""
+    `status.checkpointRequest` from an RLJob object.
+
+    A rollout pod in `status.rollout.drainingPods` is one the operator waits for the driver to
+    release, whatever the desired count says (Kueue evicted its Workload, while the policy still
+    wants the engine and queues it again): the dedicated target stops below the first of them, so
+    the driver drains it and reports it released, as for a lowered target."""
     status = rljob.get("status") or {}
     rollout = status.get("rollout") or {}
 
@@ -63,9 +68,13 @@ def parse_targets(rljob: Mapping[str, Any]) -> EngineTargets:
         v = rollout.get(key)
         return int(v) if v is not None else None
 
-    return EngineTargets(
-        _int("desiredSharedAwake"), _int("desiredDedicatedEngines"), parse_checkpoint_request(status)
-    )
+    dedicated = _int("desiredDedicatedEngines")
+    draining = [
+        int(d["index"]) for d in rollout.get("drainingPods") or [] if isinstance(d, Mapping) and "index" in d
+    ]
+    if draining and dedicated is not None:
+        dedicated = min(dedicated, min(draining))
+    return EngineTargets(_int("desiredSharedAwake"), dedicated, parse_checkpoint_request(status))
 
 
 def checkpoint_to_honour(request: CheckpointRequest | None, acked: str | None) -> str | None:

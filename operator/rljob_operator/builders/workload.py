@@ -95,6 +95,17 @@ def group_pod_sets(
     return out
 
 
+def pod_sets_quota_hash(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> str:
+    """The hash of what Kueue's quota and flavor assignment read of the podSets these pods make:
+    each podSet's name, count, requests and placement fields (not images, env or commands)."""
+    return content_hash(
+        [
+            (name, len(members), _scheduling_signature(members[0]))
+            for name, members in group_pod_sets(role_pods)
+        ]
+    )
+
+
 def build_pod_sets(role_pods: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> list[dict[str, Any]]:
     """Kueue podSets for `(role, pods)` pairs, in order: one per run of identically scheduled pods.
 

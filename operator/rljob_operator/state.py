@@ -1,0 +1,95 @@
+"""The operator's in-memory state: one `State` per running operator (kopf's memo), and a `Cache`
+per job of what a reconcile may reuse (the plan per generation, the children applied).
+
+Everything here is filled by the watches (`handlers`) and read by the reconcile steps (`steps`);
+`State.due` is how anything asks for a job's reconcile (`state.due[key] = time.monotonic()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from rljob_operator import admission, api, kube, metrics, names, reconcile, resync
+
+
+@dataclasses.dataclass
+class Cache:
+    """What a reconcile may reuse: the plan per generation, the children applied per config."""
+
+    generation: int | None = None
+    model_config: dict[str, Any] | None = None
+    plan: api.PlanStatus | None = None
+    applied: str | None = None  # hash of the non-pod children last applied
+    error: BaseException | None = None  # a spec error of this generation (waits for the next)
+
+
+@dataclasses.dataclass
+class State:
+    kube: kube.Kube
+    locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
+    events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    phases: dict[str, str] = dataclasses.field(default_factory=dict)
+    # job key -> monotonic s of its next reconcile; `due[key] = time.monotonic()`: reconcile ASAP
+    due: resync.DueTimes = dataclasses.field(default_factory=resync.DueTimes)
+    # job key -> (namespace, name), and the newest RLJob body seen (watch or our write's response)
+    jobs: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    latest: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # jobs whose last reconcile waits on something (a retryable error): a node change retries them
+    waiting: set[str] = dataclasses.field(default_factory=set)
+    nodes: dict[str, reconcile.NodeObservation] = dataclasses.field(default_factory=dict)
+    # native gang scheduling: (checked at, served) of the PodGroup API; job key -> minCount created
+    pod_group_api: tuple[float, bool] | None = None
+    gangs: dict[str, int] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> (attempt, why): pods seen disrupted (see rljob_pods)
+    disrupted: dict[str, dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> attempt: pods seen; and the names the operator deleted itself, so that
+    # a pod of the attempt that is gone can be told from one not created yet or deleted by us.
+    known: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    deleted: dict[str, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    # job key -> Workload name -> what it says (rljob_workloads, the Kueue watch)
+    workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)
+    resync: asyncio.Task[None] | None = None
+
+    def observe_job(self, body: dict[str, Any]) -> None:
+        """A watched RLJob: keep it when it is newer than what we know, and reconcile it soon."""
+        meta = body.get("metadata") or {}
+        key = names.job_key(meta.get("namespace", ""), meta.get("name", ""))
+        self.jobs[key] = (meta.get("namespace", ""), meta.get("name", ""))
+        if self.remember(key, body):  # not the echo of our own write
+            self.due.soon(key, time.monotonic())
+
+    def remember(self, key: str, body: dict[str, Any] | None) -> bool:
+        """Keep `body` as the job's newest known version if it is newer; True when it was."""
+        if not body:
+            return False
+        known = (self.latest.get(key, {}).get("metadata") or {}).get("resourceVersion")
+        if key in self.latest and not resync.is_newer(body["metadata"].get("resourceVersion"), known):
+            return False
+        self.latest[key] = body
+        return True
+
+    def touch(self, namespace: str, job: str, delay_s: float = 0.0) -> None:
+        """Something of job `namespace/job` changed: reconcile it within `delay_s`."""
+        key = names.job_key(namespace, job)
+        if key in self.jobs:
+            self.due.soon(key, time.monotonic() + delay_s)
+
+    def forget(self, key: str) -> None:
+        """A deleted job: drop everything kept for it."""
+        self.caches.pop(key, None)
+        self.locks.pop(key, None)
+        self.phases.pop(key, None)
+        self.due.pop(key, None)
+        self.jobs.pop(key, None)
+        self.latest.pop(key, None)
+        self.waiting.discard(key)
+        self.gangs.pop(key, None)
+        self.disrupted.pop(key, None)
+        self.known.pop(key, None)
+        self.deleted.pop(key, None)
+        self.workloads.pop(key, None)
+        metrics.set_phase_counts(self.phases)

@@ -1,0 +1,645 @@
+"""The reconcile of one job: `reconcile_job` takes the newest RLJob under the job's lock, runs
+`STEPS` in order and writes the status once.
+
+The shape is KubeRay's: a fixed list of steps (finished?, plan, suspend, preemption, outcome,
+backoff, children, volumes, capacity, adapt, admission, gang, pods); each returns what it observed
+(`status.Observed`) and may stop the list; one pure `status.compute_status` runs at the tail and
+the status is written once, only if it changed; Events follow condition transitions. Any exception
+in a step becomes a condition: `errors.RLJobError` with its own reason, anything else as
+`InternalError` quoting the exception, retried by the loop. The Kueue, preemption and gang steps
+live in `queue_steps`.
+
+Pod failures follow `reconcile.decide_restart` (pure): a failure counts against
+`spec.restartPolicy.backoffLimit` and restarts the gang after an exponential backoff; a
+disruption (eviction, preemption, lost node) restarts it at once and is not counted. The new
+attempt is written to the status first (it is what marks the old pods stale); the next reconcile
+deletes them and creates the new ones. Adaptive mode calls `policy.decide()` on the telemetry
+history and reconciles its targets into `<job>-rollout-<j>` pods and `status.rollout.desired*`;
+rollout pods follow `elastic.plan_rollout_pods` (pure): above a lowered target they drain until
+the driver releases them (or `drainGraceSeconds`), and one whose engine was lost is recreated
+alone, never restarting the gang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+import pydantic
+
+from rljob_operator import (
+    admission,
+    api,
+    builders,
+    elastic,
+    errors,
+    kube,
+    metrics,
+    names,
+    planning,
+    policy,
+    pools,
+    reconcile,
+    status,
+)
+from rljob_operator.builders import podgroup
+from rljob_operator.context import (
+    RETRY_INTERNAL_ERROR_S,
+    RETRY_WAITING_S,
+    WAIT_FOR_TERMINATION_S,
+    Ctx,
+    Step,
+    delete_pods,
+    post,
+    post_events,
+    spec_of,
+    sync_reports,
+)
+from rljob_operator.estimator import presets
+from rljob_operator.queue_steps import (
+    finish_workloads,
+    kueue_managed,
+    release_workloads,
+    step_admission,
+    step_gang,
+    step_preemption,
+)
+from rljob_operator.state import Cache, State
+from rljob_trainer import telemetry
+
+
+async def reconcile_job(
+    *,
+    cause: str,
+    name: str,
+    namespace: str,
+    state: State,
+    logger: Any,
+    pods_index: kopf.Index,
+    telemetry_index: kopf.Index,
+    nodes_index: kopf.Index,
+) -> float | None:
+    """Reconcile one job under its lock; returns when to run again (seconds), or None for the interval."""
+    key = names.job_key(namespace, name)
+    lock = state.locks.setdefault(key, asyncio.Lock())
+    started = time.monotonic()
+    try:
+        async with lock:
+            # The newest RLJob we know, taken inside the lock: the watch's copy or the response to
+            # this job's last status write, whichever is newer (`State.remember`), so a lagging
+            # watch event never undoes a status just written (restarts, adaptive targets). Only a
+            # job never seen is read.
+            body = state.latest.get(key)
+            if body is None:
+                body = await state.kube.read_rljob(namespace, name)
+                state.remember(key, body)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return None
+            raw_status = dict(body.get("status") or {})
+            ctx = Ctx(
+                state=state,
+                key=key,
+                job=builders.JobRef(name, namespace),
+                body=body,
+                raw_spec=dict(body.get("spec") or {}),
+                generation=int(body["metadata"].get("generation") or 0),
+                old=api.RLJobStatus.model_validate(raw_status),
+                old_raw=raw_status,
+                pods=list(pods_index.get((namespace, name), [])),
+                telemetry_index=telemetry_index,
+                nodes_index=nodes_index,
+                logger=logger,
+                now=datetime.now(timezone.utc).replace(microsecond=0),
+            )
+            observed = await run_steps(ctx)
+            if observed.error is not None and status.is_retryable(observed.error):
+                state.waiting.add(key)
+            else:
+                state.waiting.discard(key)
+            try:
+                await _write_status(ctx, observed)
+            finally:
+                await post_events(ctx)
+            if ctx.retry_s is not None:
+                logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
+            return ctx.retry_s
+    finally:
+        metrics.RECONCILE_SECONDS.labels(cause).observe(time.monotonic() - started)
+
+
+async def run_steps(ctx: Ctx) -> status.Observed:
+    """Run `STEPS` in order; any exception stops them and becomes the observed error.
+
+    Known errors (`errors.RLJobError`, a pydantic ValidationError of the spec) carry their own
+    reason; anything else is wrapped as `InternalError` naming the step and quoting the exception,
+    and kopf retries it. Nothing escapes without the status saying why.
+    """
+    seen = status.Observed()
+    for step in STEPS:
+        try:
+            seen, stop = await step(ctx, seen)
+        except (errors.RLJobError, pydantic.ValidationError) as exc:
+            # Retryable ones (a ConfigMap, a claim or nodes that may appear) are looked at again
+            # soon (nodes also retry them when they change); the others wait for a new generation.
+            if status.is_retryable(exc):
+                ctx.retry(RETRY_WAITING_S, f"{_step_label(step)}: {status.reason_for(exc)}")
+            return dataclasses.replace(seen, error=exc)
+        except Exception as exc:
+            ctx.logger.exception(f"reconcile step {step.__name__} failed")
+            ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
+            return dataclasses.replace(seen, error=errors.InternalError.wrap(_step_label(step), exc))
+        if stop:
+            break
+    return seen
+
+
+def _step_label(step: Step) -> str:
+    return f"reconcile step {step.__name__.removeprefix('_').removeprefix('step_')}"
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+def _spec_failure_fixed(ctx: Ctx) -> bool:
+    """A job failed by its spec (it never planned) goes on once a new generation arrives."""
+    planned = status.find(ctx.old.conditions, status.PLANNED)
+    return (
+        ctx.old.phase == "Failed"
+        and planned is not None
+        and planned.status == "False"
+        and (ctx.old.observed_generation or 0) < ctx.generation
+    )
+
+
+async def _step_finished(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A finished job: stop leftover pods, honour ttlSecondsAfterFinished, keep the status."""
+    if ctx.old.phase not in api.FINISHED_PHASES or _spec_failure_fixed(ctx):
+        return seen, False
+    await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+    await finish_workloads(ctx)
+    ttl = ctx.raw_spec.get("ttlSecondsAfterFinished")
+    done = ctx.old.completion_time
+    if isinstance(ttl, int) and done is not None:
+        left_s = done.timestamp() + ttl - ctx.now.timestamp()
+        if left_s <= 0:
+            post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
+            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+        else:
+            ctx.retry(left_s, f"ttlSecondsAfterFinished ends in {left_s:.0f}s")
+    return dataclasses.replace(seen, finished=True), True
+
+
+async def _step_plan(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Parse the spec, read the model config, plan, lay out the pods (cached per generation)."""
+    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    if cache.generation == ctx.generation and cache.error is not None:
+        raise cache.error  # a spec error waits for a new generation: no API call until then
+    try:
+        spec = api.RLJobSpec.model_validate(ctx.raw_spec)
+        spec = pools.with_pool_defaults(spec, await _pool_catalog(ctx.state.kube))
+        bad_name = names.validate_job_name(ctx.job.name)
+        if bad_name:
+            raise errors.InvalidSpecError("metadata.name", bad_name)
+        plan, model_config = await _plan(ctx, spec)
+    except (errors.RLJobError, pydantic.ValidationError) as exc:
+        if not isinstance(exc, errors.RLJobError) or not exc.retryable:
+            cache.generation, cache.error, cache.plan = ctx.generation, exc, None
+        raise
+    ctx.model_config = model_config
+    adaptive = spec.resources.mode == "adaptive"
+    desired_dedicated = ctx.old.rollout.desired_dedicated_engines if adaptive and ctx.old.rollout else None
+    layout = builders.compute_layout(spec, plan, desired_dedicated)
+    current = [p for p in ctx.pods if p.attempt == ctx.attempt]
+    return dataclasses.replace(seen, spec=spec, plan=plan, layout=layout, pods=current), False
+
+
+async def _step_suspend(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """spec.suspend: delete every pod (and the Kueue Workloads, whose quota goes back; resuming
+    queues the job again), keep everything else."""
+    if not spec_of(seen).suspend:
+        return seen, False
+    await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
+    await release_workloads(ctx)
+    return dataclasses.replace(seen, suspended=True), True
+
+
+async def _step_outcome(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Succeeded, failed, disrupted? The pure `reconcile.decide_restart` says; this step obeys."""
+    spec = spec_of(seen)
+    nodes = {n.name for n in ctx.nodes_index.get("nodes", [])}
+    decision = reconcile.decide_restart(
+        ctx.pods,
+        attempt=ctx.attempt,
+        failures=ctx.old.failures or 0,
+        disruptions=ctx.old.disruptions or 0,
+        last_failure=ctx.old.last_failure,
+        policy=spec.restart_policy,
+        node_names=frozenset(nodes),
+        vanished=_vanished_pods(ctx),
+    )
+    if decision.action == "run":
+        return seen, False
+    seen = dataclasses.replace(seen, decision=decision)
+    if decision.action in ("succeeded", "fail"):
+        if decision.action == "succeeded":
+            reports = sync_reports(ctx)
+            seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
+        await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+        return seen, True
+    # restart: the status (written at the tail) carries the new attempt, which is what marks the
+    # old pods stale even across a crash; the next reconcile deletes them and waits out the backoff.
+    metrics.RESTARTS.inc()
+    ctx.retry(WAIT_FOR_TERMINATION_S, f"restart {decision.attempt}: {decision.cause}")
+    return seen, True
+
+
+def _vanished_pods(ctx: Ctx) -> dict[str, str]:
+    """Pods of the current attempt seen before and gone now, not deleted by the operator: why.
+
+    A disrupted pod (any role) is named with its DisruptionTarget; a trainer pod that simply
+    vanished broke its Ray cluster. A rollout pod that vanished is recreated alone by the pod diff.
+    """
+    known = ctx.state.known.setdefault(ctx.key, {})
+    disrupted = ctx.state.disrupted.setdefault(ctx.key, {})
+    ours = ctx.state.deleted.setdefault(ctx.key, set())
+    ours.difference_update({(n, a) for n, a in ours if a != ctx.attempt})
+    for table in (known, disrupted):
+        for name in [n for n, v in table.items() if (v if isinstance(v, int) else v[0]) != ctx.attempt]:
+            del table[name]
+    present = {p.name for p in ctx.pods if p.attempt == ctx.attempt}
+    known.update(dict.fromkeys(present, ctx.attempt))
+    out = {}
+    for name in sorted(set(known) - present - {n for n, _ in ours}):
+        role = names.parse_pod_name(ctx.job.name, name)
+        if role is not None and role[0] == names.ROLE_ROLLOUT:
+            continue  # a rollout pod is recreated alone by the pod diff, whatever took it
+        if name in disrupted:
+            out[name] = f"pod {name} was disrupted ({disrupted[name][1]})"
+        elif role is not None and role[0] == names.ROLE_TRAINER:
+            out[name] = (
+                f"trainer pod {name} disappeared (deleted outside the operator, or lost with its node)"
+            )
+    return out
+
+
+async def _step_backoff(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A pending restart: delete the old attempt's pods, and wait out the backoff after a failure."""
+    pending = status.pending_restart(ctx.old)
+    if pending is None:
+        return seen, False
+    since, disruption = pending
+    stale = [p.name for p in ctx.pods if p.attempt != ctx.attempt and not p.deleting]
+    await delete_pods(ctx, stale, why="restart")
+    wait = reconcile.restart_wait_s(
+        since, disruption, ctx.old.failures or 0, spec_of(seen).restart_policy, ctx.now
+    )
+    if wait > 0:
+        ctx.retry(wait, f"restart {ctx.attempt} waits for its backoff")
+        return dataclasses.replace(seen, restart_wait_s=wait), True
+    return seen, False
+
+
+async def _step_children(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Everything but pods (once per generation/config; AlreadyExists is success)."""
+    spec = spec_of(seen)
+    assert seen.plan is not None and seen.layout is not None
+    objects = builders.build_job_objects(ctx.job, spec, seen.plan, seen.layout, ctx.model_config)
+    ctx.config_hash = objects.config_hash
+    await _apply_children(ctx, objects)
+    return seen, False
+
+
+def _first_pods_of_attempt(ctx: Ctx) -> bool:
+    return not any(p.attempt == ctx.attempt for p in ctx.pods)
+
+
+async def _step_volumes(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Before an attempt's first pod: every claim exists and every pod that mounts it can."""
+    if not _first_pods_of_attempt(ctx):
+        return seen, False
+    assert seen.layout is not None
+    uses = reconcile.claims_of(spec_of(seen), seen.layout)
+    claims = {u.claim: await ctx.state.kube.read_pvc(ctx.job.namespace, u.claim) for u in uses}
+    reconcile.check_claims(uses, claims, ctx.job.namespace)
+    return seen, False
+
+
+async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Before an attempt's first pod: can the pools ever hold the layout? (Not for a job Kueue
+    admits: its flavors add the nodeLabels and tolerations that say where the pods may go.)"""
+    if _first_pods_of_attempt(ctx) and not kueue_managed(ctx):
+        assert seen.layout is not None
+        reconcile.check_capacity(spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
+    return seen, False
+
+
+async def _step_adapt(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Adaptive mode: turn the telemetry history into engine targets (`policy.decide()`)."""
+    spec = spec_of(seen)
+    reports = sync_reports(ctx)
+    seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
+    if spec.resources.mode != "adaptive" or not reports:
+        return seen, False
+    assert seen.plan is not None and seen.layout is not None
+    rollout = await _adapt(ctx, spec, seen.plan, seen.layout, reports)
+    if rollout is None:
+        return seen, False
+    layout = builders.compute_layout(spec, seen.plan, rollout.desired_dedicated_engines)
+    return dataclasses.replace(seen, rollout=rollout, layout=layout), False
+
+
+async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Delete the stale pods, create the missing ones (all at once; the Event lists them in order)."""
+    spec = spec_of(seen)
+    assert seen.layout is not None
+    desired = builders.build_pods(
+        ctx.job, spec, seen.layout, attempt=ctx.attempt, config_hash=ctx.config_hash
+    )
+    if seen.placements:  # Kueue admitted them: onto the admitted flavors' nodes
+        desired = [
+            admission.place_pod(d, seen.placements[d["metadata"]["name"]])
+            if d["metadata"]["name"] in seen.placements
+            else d
+            for d in desired
+        ]
+    if seen.gang is not None and seen.gang[0]:  # members join the job's PodGroup (`step_gang`)
+        assert seen.plan is not None
+        desired = podgroup.with_gang(desired, podgroup.job_gang(ctx.job, spec, seen.plan, seen.layout))
+    seen, elastic_plan = _plan_rollout_pods(ctx, seen)
+    held = {names.rollout_pod_name(ctx.job.name, i) for i in elastic_plan.hold}  # backoff: not yet
+    desired = [d for d in desired if d["metadata"]["name"] not in held]
+    diff = reconcile.diff_pods(
+        desired,
+        ctx.pods,
+        ctx.attempt,
+        keep=elastic_plan.keep,
+        replace=[r.name for r in elastic_plan.replace],
+    )
+    lost = {r.name for r in elastic_plan.replace}
+    await delete_pods(ctx, [n for n in diff.delete if n not in lost], why="stale")
+    await delete_pods(ctx, [n for n in diff.delete if n in lost], why="engine-lost")
+    for pod in diff.create:
+        kopf.adopt(pod, owner=ctx.body)
+    # Independent objects (each create idempotent): one round trip for all, not one per pod.
+    made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in diff.create))
+    created = []
+    for pod, new in zip(diff.create, made, strict=True):
+        if new:
+            metrics.PODS_CREATED.labels(pod["metadata"]["labels"][names.LABEL_ROLE]).inc()
+            created.append(pod["metadata"]["name"])
+    if created:
+        ctx.logger.info(f"reconciled {ctx.key}: created pods {', '.join(created)}")
+        post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
+    if diff.waiting:
+        ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
+    return dataclasses.replace(seen, waiting=diff.waiting + tuple(created)), False
+
+
+def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, elastic.RolloutPodsPlan]:
+    """Drains and lone replacements of rollout pods (`elastic.plan_rollout_pods`, pure), their
+    Events, and the open drains, replacement count and backoffs for `status.rollout`.
+
+    Extra engines whose Kueue Workload was evicted are below the target already (the admission
+    step lowered the layout); here they only get the drain's bounded grace and their Event."""
+    spec = spec_of(seen)
+    assert seen.layout is not None
+    rollout = seen.rollout or ctx.old.rollout or api.RolloutStatus()
+    extra = {s.engine: s for s in ctx.state.workloads.get(ctx.key, {}).values() if s.engine is not None}
+    mine = [p for p in ctx.pods if p.role == names.ROLE_ROLLOUT and p.attempt == ctx.attempt]
+    running = [p.index for p in mine if not p.deleting]
+    preempted = admission.evicted_engines(extra, running) if kueue_managed(ctx) else {}
+    plan = elastic.plan_rollout_pods(
+        ctx.pods,
+        attempt=ctx.attempt,
+        target=seen.layout.rollout_pods,
+        draining=rollout.draining_pods or [],
+        reports=sync_reports(ctx),
+        grace_s=spec.resources.rollout.drain_grace_seconds,
+        now=ctx.now,
+        node_names=frozenset(n.name for n in ctx.nodes_index.get("nodes", [])),
+        preempted=preempted,
+        preempted_grace=elastic.preempted_grace_s(spec),
+        backoff=rollout.replacement_backoff or [],
+        restart_policy=spec.restart_policy,
+    )
+    pod = functools.partial(names.pod_name, ctx.job.name, names.ROLE_ROLLOUT)
+    started = sorted({d.index for d in plan.draining} - {d.index for d in rollout.draining_pods or []})
+    # One Event for all drains begun now (Events are limited to one per reason and interval).
+    drains = [
+        f"{pod(i)}: {preempted[i]}: draining, deleted once the driver releases it or within "
+        f"{elastic.preempted_grace_s(spec):.0f}s (min of drainGraceSeconds and checkpointGraceSeconds)"
+        for i in started
+        if i in preempted
+    ]
+    if plain := [i for i in started if i not in preempted]:
+        drains.append(f"{', '.join(map(pod, plain))}: draining, deleted once the driver releases it")
+    if drains:
+        post(ctx, "Normal", "RolloutPodDraining", "; ".join(drains))
+    if plan.released:
+        what = ", ".join(map(pod, plan.released))
+        post(ctx, "Normal", "RolloutPodReleased", f"the driver released {what}: deleting it")
+    if plan.expired:
+        what = ", ".join(map(pod, plan.expired))
+        post(
+            ctx,
+            "Normal",
+            "RolloutPodDrained",
+            f"{what}: not running, or no release within its drain grace: deleting it",
+        )
+    if plan.replace:
+        why = "; ".join(r.why for r in plan.replace)
+        post(ctx, "Warning", "RolloutPodReplaced", f"{why}: recreating it alone (the trainers keep running)")
+    for r in plan.replace:
+        if r.not_before is not None and r.not_before > ctx.now:
+            wait = (r.not_before - ctx.now).total_seconds()
+            post(
+                ctx,
+                "Warning",
+                "RolloutPodBackoff",
+                f"{r.name} lost its engine {r.replacements} times in a row: its replacement waits "
+                f"{wait:.0f}s, until {r.not_before.strftime('%Y-%m-%dT%H:%M:%SZ')} (spec.restartPolicy "
+                "backoff; the trainers keep running)",
+            )
+    if plan.retry_s is not None:
+        ctx.retry(plan.retry_s, "a rollout pod's drain grace or replacement backoff ends")
+    update: dict[str, Any] = {
+        "draining_pods": list(plan.draining) or None,
+        "replacement_backoff": list(plan.backoff) or None,
+    }
+    if plan.replace:
+        update["replaced_pods"] = (rollout.replaced_pods or 0) + len(plan.replace)
+    before = (rollout.draining_pods or None, rollout.replacement_backoff or None)
+    if before != (update["draining_pods"], update["replacement_backoff"]) or plan.replace:
+        seen = dataclasses.replace(seen, rollout=rollout.model_copy(update=update))
+    return seen, plan
+
+
+#: The reconcile, in order. Each step returns what it observed; `compute_status` reads it all once.
+STEPS: tuple[Step, ...] = (
+    _step_finished,
+    _step_plan,
+    _step_suspend,
+    step_preemption,
+    _step_outcome,
+    _step_backoff,
+    _step_children,
+    _step_volumes,
+    _step_capacity,
+    _step_adapt,
+    step_admission,
+    step_gang,
+    _step_pods,
+)
+
+
+# ---- step helpers --------------------------------------------------------------------------------
+async def _model_config(ctx: Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
+    src = spec.model.config
+    if src.inline is not None:
+        return dict(src.inline)
+    if src.preset is not None:
+        return presets.load_preset(src.preset)
+    ref = src.config_map_ref
+    if ref is None:
+        raise errors.InvalidSpecError("spec.model.config", "set one of preset, inline or configMapRef")
+    field = "spec.model.config.configMapRef"
+    cm = await ctx.state.kube.read_config_map(ctx.job.namespace, ref.name)
+    if cm is None:
+        raise errors.ModelConfigUnreadableError(
+            field,
+            f"ConfigMap {ref.name!r} not found in namespace {ctx.job.namespace!r}: create it "
+            f"(kubectl create configmap {ref.name} --from-file={ref.key}=config.json) or fix the name",
+        )
+    text = (cm.get("data") or {}).get(ref.key)
+    if text is None:
+        raise errors.ModelConfigUnreadableError(
+            field,
+            f"ConfigMap {ref.name!r} has no key {ref.key!r} (keys: {sorted(cm.get('data') or {})}): fix .key",
+        )
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise errors.ModelConfigUnreadableError(
+            field,
+            f"ConfigMap {ref.name!r} key {ref.key!r} is not JSON ({exc}): store config.json there",
+        ) from exc
+    if not isinstance(parsed, dict):
+        raise errors.ModelConfigUnreadableError(
+            field, f"key {ref.key!r} must hold a JSON object (config.json)"
+        )
+    return parsed
+
+
+def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
+    """The estimator's plan (`planning.plan_job`: spec -> PlanRequest -> ResourcePlan) as a PlanStatus.
+
+    Estimator errors carry their own reason; anything else is a bug and surfaces as InternalError.
+    """
+    return planning.plan_status(planning.plan_job(spec, model_config))
+
+
+async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
+    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
+        return cache.plan, cache.model_config
+    model_config = await _model_config(ctx, spec)
+    plan = _compute_plan(spec, model_config)
+    cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
+    cache.error = None
+    return plan, model_config
+
+
+async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
+    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    if cache.applied == objects.config_hash:
+        return
+    children = [dict(obj) for obj in objects.children]  # the telemetry ConfigMap: the driver owns its data
+    config_map = dict(objects.config_map)
+    for obj in [*children, config_map]:
+        kopf.adopt(obj, owner=ctx.body)
+    # Independent objects: create them concurrently (each is idempotent on its own).
+    kube = ctx.state.kube
+    await asyncio.gather(*(kube.create(obj) for obj in children), kube.apply_config_map(config_map))
+    cache.applied = objects.config_hash
+
+
+async def _adapt(
+    ctx: Ctx,
+    spec: api.RLJobSpec,
+    plan: api.PlanStatus,
+    layout: builders.JobLayout,
+    reports: list[telemetry.SyncReport],
+) -> api.RolloutStatus | None:
+    """Call `policy.decide()`; the new targets (None: no change) are persisted with the status."""
+    rollout = ctx.old.rollout or api.RolloutStatus()
+    last = rollout.last_decision_time.timestamp() if rollout.last_decision_time else None
+    shared_total = plan.shared_engines or 0
+    state = policy.RolloutState(
+        shared_engines_total=shared_total,
+        shared_engines_awake=min(rollout.desired_shared_awake or 0, shared_total),
+        dedicated_engines=layout.rollout_pods,
+        planned_dedicated_engines=plan.rollout_engines or 0,
+        idle_accelerators=layout.idle_accelerators,
+        accelerators_per_engine=plan.tensor_parallel or 1,
+        last_action_time_s=last,
+    )
+    settings = policy.PolicySettings.from_adaptive_spec(spec.resources.adaptive)
+    decision = policy.decide(state, reports, settings, ctx.now.timestamp())
+    if decision.action == "none":
+        return None
+    metrics.DECISIONS.labels(decision.action).inc()
+    ctx.logger.info(f"adaptive decision {decision.action}: {decision.reason}")
+    post(ctx, "Normal", f"Adaptive{_camel(decision.action)}", decision.reason)
+    return rollout.model_copy(
+        update={
+            "desired_shared_awake": decision.desired_shared_awake,
+            "desired_dedicated_engines": decision.desired_dedicated_engines,
+            "last_decision": _camel(decision.action),
+            "last_decision_reason": decision.reason[:1024],
+            "last_decision_time": ctx.now,
+        }
+    )
+
+
+def _camel(action: str) -> str:
+    return "".join(part.capitalize() for part in action.split("_"))
+
+
+async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
+    """The reconcile's one status write: compute, write only if changed, post Events on transitions."""
+    new = status.compute_status(ctx.old, observed, generation=ctx.generation, now=ctx.now)
+    patch = status.status_patch(ctx.old_raw, new)
+    if patch is not None:
+        ctx.state.remember(ctx.key, await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch))
+        known = {c.type for c in ctx.old.conditions}
+        for cond in status.transitions(ctx.old.conditions, new.conditions):
+            kind = status.event_type(cond)
+            if cond.type in known or kind == "Warning":  # a condition's first Normal value is no news
+                post(ctx, kind, cond.reason, cond.message or f"{cond.type}={cond.status}")
+    if new.phase:
+        ctx.state.phases[ctx.key] = new.phase
+        metrics.set_phase_counts(ctx.state.phases)
+
+
+# ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.pools) ----------------------
+POOLS_CONFIGMAP = os.environ.get("RLJOB_POOLS_CONFIGMAP", "")  # "<namespace>/<name>"; empty: no pools
+POOLS_REFRESH_S = 10.0
+_pools_read: list[tuple[float, pools.PoolCatalog]] = []
+
+
+async def _pool_catalog(kube_: kube.Kube) -> pools.PoolCatalog:
+    """The chart-rendered pool defaults, re-read at most every POOLS_REFRESH_S (helm upgrade applies)."""
+    if not POOLS_CONFIGMAP:
+        return pools.PoolCatalog()
+    if _pools_read and time.monotonic() - _pools_read[0][0] < POOLS_REFRESH_S:
+        return _pools_read[0][1]
+    namespace, _, name = POOLS_CONFIGMAP.partition("/")
+    cm = await kube_.read_config_map(namespace, name)
+    catalog = pools.parse_pool_catalog(((cm or {}).get("data") or {}).get(pools.POOLS_KEY))
+    _pools_read[:] = [(time.monotonic(), catalog)]
+    return catalog
