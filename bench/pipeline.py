@@ -6,9 +6,9 @@ and one dedicated transformers engine (one torch thread) as Ray actors in their 
 weights over the engine's gloo group. A tiny Qwen2 built from a config (random weights, nothing
 downloaded) on the toy arithmetic task.
 
-Generation and training are first balanced: two short synchronous calibration runs (response caps
-of 8 and 32 tokens) fit generation and training time each as a + b * tokens, and the response cap
-is set where the two lines cross, so both take about as long (the regime where one-step-off overlap
+Generation and training are first balanced: short synchronous calibration runs (response caps
+of 16 and 96 tokens, then one at the secant estimate of where generation time equals training
+time) set the response cap where both take about as long (the regime where one-step-off overlap
 pays most: perfect overlap gives 2x). The model is deep and thin (8 layers of width 64): a decode
 step pays per-layer overhead for every token while training pays per-token arithmetic, so
 generation can catch up with training at some cap (with 4 wide layers training was 2.6x slower at
@@ -109,19 +109,27 @@ def run(cfg: config.TrainerConfig, workdir: Path, name: str) -> list[dict[str, A
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-PROBE_TOKENS = (8, 32)
-MAX_TOKENS = 192
+PROBE_TOKENS = (16, 96)
+MIN_TOKENS, MAX_TOKENS = 2, 192
 
 
 def balanced_tokens(probes: dict[int, tuple[float, float]]) -> int:
-    """The response cap where generation takes as long as training, from two calibration runs:
-    each time fitted as a + b * tokens. Without a crossing in range, the cap nearest to it."""
-    (t1, (g1, r1)), (t2, (g2, r2)) = sorted(probes.items())
-    gen_slope, train_slope = (g2 - g1) / (t2 - t1), (r2 - r1) / (t2 - t1)
-    gen_0, train_0 = g1 - gen_slope * t1, r1 - train_slope * t1
-    if gen_slope <= train_slope:  # generation never catches up: the longest cap is the most balanced
-        return MAX_TOKENS if train_0 > gen_0 else 2
-    return max(2, min(MAX_TOKENS, round((train_0 - gen_0) / (gen_slope - train_slope))))
+    """The response cap where generation takes as long as training: the secant through the two
+    probes nearest the balance of gap = generation - training (a bracketing pair when there is one).
+    Generation grows with the longest response, training with the mean one (responses stop at EOS),
+    so neither time is linear in the cap: a refinement probe at this estimate, then the secant
+    again, lands close."""
+    gaps = sorted((t, g - r) for t, (g, r) in probes.items())
+    below = [p for p in gaps if p[1] < 0]
+    above = [p for p in gaps if p[1] >= 0]
+    if below and above:  # bracketing: the two closest to zero on each side
+        (t1, d1), (t2, d2) = max(below, key=lambda p: p[1]), min(above, key=lambda p: p[1])
+    else:
+        (t1, d1), (t2, d2) = sorted(gaps, key=lambda p: abs(p[1]))[:2]
+    if d1 == d2:
+        return MAX_TOKENS if d1 < 0 else MIN_TOKENS
+    estimate = t1 - d1 * (t2 - t1) / (d2 - d1)
+    return max(MIN_TOKENS, min(MAX_TOKENS, round(estimate)))
 
 
 def steps_per_hour(rows: list[dict[str, Any]]) -> float:
@@ -138,15 +146,20 @@ def main() -> None:
     steps = args.steps or (8 if args.quick else 20)
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        probes = {}
-        for probe_tokens in PROBE_TOKENS:  # generation and training are both about linear in the cap
-            rows = run(make_config(steps=3, response_tokens=probe_tokens, max_staleness=0), work, "calibrate")
-            probes[probe_tokens] = (
-                sum(r["generation_s"] for r in rows[1:]) / len(rows[1:]),
-                sum(r["training_s"] for r in rows[1:]) / len(rows[1:]),
-            )
-            gen, train = probes[probe_tokens]
-            print(f"calibration: {probe_tokens} tokens: generation {gen:.2f} s, training {train:.2f} s")
+        probes: dict[int, tuple[float, float]] = {}
+
+        def probe(tokens: int) -> None:
+            rows = run(make_config(steps=3, response_tokens=tokens, max_staleness=0), work, "calibrate")
+            gen = sum(r["generation_s"] for r in rows[1:]) / len(rows[1:])
+            train = sum(r["training_s"] for r in rows[1:]) / len(rows[1:])
+            probes[tokens] = (gen, train)
+            print(f"calibration: {tokens} tokens: generation {gen:.2f} s, training {train:.2f} s")
+
+        for tokens in PROBE_TOKENS:
+            probe(tokens)
+        refine = balanced_tokens(probes)
+        if refine not in probes:
+            probe(refine)
         tokens = balanced_tokens(probes)
         print(f"calibration: generation and training balance at {tokens} response tokens")
         sync = run(make_config(steps=steps, response_tokens=tokens, max_staleness=0), work, "sync")
