@@ -23,6 +23,7 @@ Run: `.venv/bin/python bench/pipeline.py [--quick] [--json]`. The last line is e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -114,16 +115,16 @@ MIN_TOKENS, MAX_TOKENS = 2, 192
 
 
 def balanced_tokens(probes: dict[int, tuple[float, float]]) -> int:
-    """The response cap where generation takes as long as training: the secant through the two
-    probes nearest the balance of gap = generation - training (a bracketing pair when there is one).
+    """The response cap where generation takes as long as training: the secant of gap = generation -
+    training through the narrowest pair of neighbouring probes where its sign changes (else the two
+    probes nearest zero).
     Generation grows with the longest response, training with the mean one (responses stop at EOS),
     so neither time is linear in the cap: a refinement probe at this estimate, then the secant
     again, lands close."""
     gaps = sorted((t, g - r) for t, (g, r) in probes.items())
-    below = [p for p in gaps if p[1] < 0]
-    above = [p for p in gaps if p[1] >= 0]
-    if below and above:  # bracketing: the two closest to zero on each side
-        (t1, d1), (t2, d2) = max(below, key=lambda p: p[1]), min(above, key=lambda p: p[1])
+    brackets = [(a, b) for a, b in itertools.pairwise(gaps) if (a[1] < 0) != (b[1] < 0)]
+    if brackets:  # the sign changes between neighbouring caps: the narrowest such pair
+        (t1, d1), (t2, d2) = min(brackets, key=lambda ab: ab[1][0] - ab[0][0])
     else:
         (t1, d1), (t2, d2) = sorted(gaps, key=lambda p: abs(p[1]))[:2]
     if d1 == d2:
