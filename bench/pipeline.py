@@ -6,10 +6,13 @@ and one dedicated transformers engine (one torch thread) as Ray actors in their 
 weights over the engine's gloo group. A tiny Qwen2 built from a config (random weights, nothing
 downloaded) on the toy arithmetic task.
 
-Generation and training are first balanced: a short synchronous calibration run measures the
-generation time per response token and the training time, and the response cap is set so both
-take about as long (the regime where one-step-off overlap pays most: perfect overlap gives 2x).
-Then the synchronous run (maxStaleness 0) and the asynchronous run (maxStaleness 1, truncated IS)
+Generation and training are first balanced: short synchronous calibration runs (response caps
+of 16 and 96 tokens, then one at the secant estimate of where generation time equals training
+time) set the response cap where both take about as long (the regime where one-step-off overlap
+pays most: perfect overlap gives 2x). The model is deep and thin (8 layers of width 64): a decode
+step pays per-layer overhead for every token while training pays per-token arithmetic, so
+generation can catch up with training at some cap (with 4 wide layers training was 2.6x slower at
+any cap). Then the synchronous run (maxStaleness 0) and the asynchronous run (maxStaleness 1, truncated IS)
 use that config. Steps/hour is over every step after the first (sum of the driver's step times:
 waiting for rollouts, training and the weight sync), so start-up is not counted.
 
@@ -20,6 +23,7 @@ Run: `.venv/bin/python bench/pipeline.py [--quick] [--json]`. The last line is e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -51,7 +55,7 @@ def make_config(*, steps: int, response_tokens: int, max_staleness: int) -> conf
                 "name": "tiny-qwen2-bench",
                 "source": "tiny",
                 "hfConfig": modeling.tiny_hf_config(
-                    32, hidden_size=192, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4
+                    32, hidden_size=64, num_hidden_layers=8, intermediate_size=128, num_attention_heads=4
                 ),
                 "dtype": "float32",
                 "tokenizer": "builtin-digits",
@@ -106,6 +110,29 @@ def run(cfg: config.TrainerConfig, workdir: Path, name: str) -> list[dict[str, A
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+PROBE_TOKENS = (16, 96)
+MIN_TOKENS, MAX_TOKENS = 2, 192
+
+
+def balanced_tokens(probes: dict[int, tuple[float, float]]) -> int:
+    """The response cap where generation takes as long as training: the secant of gap = generation -
+    training through the narrowest pair of neighbouring probes where its sign changes (else the two
+    probes nearest zero).
+    Generation grows with the longest response, training with the mean one (responses stop at EOS),
+    so neither time is linear in the cap: a refinement probe at this estimate, then the secant
+    again, lands close."""
+    gaps = sorted((t, g - r) for t, (g, r) in probes.items())
+    brackets = [(a, b) for a, b in itertools.pairwise(gaps) if (a[1] < 0) != (b[1] < 0)]
+    if brackets:  # the sign changes between neighbouring caps: the narrowest such pair
+        (t1, d1), (t2, d2) = min(brackets, key=lambda ab: ab[1][0] - ab[0][0])
+    else:
+        (t1, d1), (t2, d2) = sorted(gaps, key=lambda p: abs(p[1]))[:2]
+    if d1 == d2:
+        return MAX_TOKENS if d1 < 0 else MIN_TOKENS
+    estimate = t1 - d1 * (t2 - t1) / (d2 - d1)
+    return max(MIN_TOKENS, min(MAX_TOKENS, round(estimate)))
+
+
 def steps_per_hour(rows: list[dict[str, Any]]) -> float:
     timed = rows[1:]  # the first step pays for warm-up
     return 3600.0 * len(timed) / sum(r["step_s"] for r in timed)
@@ -120,15 +147,22 @@ def main() -> None:
     steps = args.steps or (8 if args.quick else 20)
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        probe_tokens = 8
-        probe = run(make_config(steps=3, response_tokens=probe_tokens, max_staleness=0), work, "calibrate")
-        gen = sum(r["generation_s"] for r in probe[1:]) / len(probe[1:])
-        train = sum(r["training_s"] for r in probe[1:]) / len(probe[1:])
-        tokens = max(2, min(96, round(probe_tokens * train / max(gen, 1e-6))))
-        print(
-            f"calibration: {probe_tokens} tokens: generation {gen:.2f} s, training {train:.2f} s "
-            f"-> {tokens} tokens"
-        )
+        probes: dict[int, tuple[float, float]] = {}
+
+        def probe(tokens: int) -> None:
+            rows = run(make_config(steps=3, response_tokens=tokens, max_staleness=0), work, "calibrate")
+            gen = sum(r["generation_s"] for r in rows[1:]) / len(rows[1:])
+            train = sum(r["training_s"] for r in rows[1:]) / len(rows[1:])
+            probes[tokens] = (gen, train)
+            print(f"calibration: {tokens} tokens: generation {gen:.2f} s, training {train:.2f} s")
+
+        for tokens in PROBE_TOKENS:
+            probe(tokens)
+        refine = balanced_tokens(probes)
+        if refine not in probes:
+            probe(refine)
+        tokens = balanced_tokens(probes)
+        print(f"calibration: generation and training balance at {tokens} response tokens")
         sync = run(make_config(steps=steps, response_tokens=tokens, max_staleness=0), work, "sync")
         async_ = run(make_config(steps=steps, response_tokens=tokens, max_staleness=1), work, "async")
     for name, rows in (("sync", sync), ("async", async_)):
@@ -148,6 +182,8 @@ def main() -> None:
         "ratio": a / s,
         "staleness_max": staleness,
         "response_tokens": tokens,
+        "generation_s": sum(r["generation_s"] for r in sync[1:]) / len(sync[1:]),
+        "training_s": sum(r["training_s"] for r in sync[1:]) / len(sync[1:]),
         "is_weight_max": max(r["off_policy/is_weight_max"] for r in async_),
         "truncated_fraction_max": max(r["off_policy/truncated_fraction"] for r in async_),
     }

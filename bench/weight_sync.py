@@ -14,7 +14,12 @@ process and of the engine process (peak RSS during the sync minus RSS before it,
 object store pages count in the process that touches them). After every sync the engine's weights
 are checked equal to the trainer's.
 
-Run: `.venv/bin/python bench/weight_sync.py [--quick] [--json] [--bucket-mib 64]`. The last line is
+With `--lora` it also wraps the trainer's model in a LoRA adapter (rank 16 on every linear layer)
+and measures, over the same gloo transport, a full sync of the merged model against an adapter-only
+sync into a second engine that serves the same adapter itself (`rollout.engineLora`): sync time and
+bytes on the wire, printed on a `lora:` line before the last line.
+
+Run: `.venv/bin/python bench/weight_sync.py [--quick] [--json] [--bucket-mib 64] [--lora]`. The last line is
 `weight_sync: object store X s +A MiB, collective Y s +B MiB, speedup R, memory ratio M`.
 """
 
@@ -83,6 +88,86 @@ def checksum(model: torch.nn.Module) -> float:
 
 
 @ray.remote
+class BenchLoraEngine:
+    """An engine serving the LoRA adapter itself: the same base, the adapter loaded in place."""
+
+    def __init__(self, config: transformers.Qwen2Config) -> None:
+        self.model = lora_wrap(build_model(config, seed=1))
+        self.load = weight_sync.peft_adapter_loader(self.model)
+        self.group: weight_sync.WeightGroup | None = None
+
+    def join(self, address: weight_sync.GroupAddress) -> None:
+        self.group = weight_sync.open_group(address, 1)
+
+    def receive(self) -> int:
+        assert self.group is not None
+        return weight_sync.receive_weights(self.group, self.load).version
+
+    def adapter_checksum(self) -> float:
+        from peft import get_peft_model_state_dict
+
+        return float(sum(t.double().abs().sum() for t in get_peft_model_state_dict(self.model).values()))
+
+
+def lora_wrap(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+
+
+def run_lora(
+    trainer: torch.nn.Module,
+    config: transformers.Qwen2Config,
+    engine: Any,
+    groups: dict[str, Any],
+    bucket_mib: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Full merged sync into the plain engine vs adapter-only into an engine serving the adapter."""
+    from peft import get_peft_model_state_dict
+
+    policy = lora_wrap(trainer)
+    with torch.no_grad():  # an adapter far from its zero start, as after training
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.02)
+    lora_engine = BenchLoraEngine.remote(config)
+    store = weight_sync.create_group_store("127.0.0.1", 2)
+    address = weight_sync.GroupAddress("bench-lora-engine", "127.0.0.1", store.port, 2, "gloo")
+    joined = lora_engine.join.remote(address)
+    lora_groups = {address.name: weight_sync.open_group(address, 0, store=store)}
+    ray.get(joined)
+    out: dict[str, dict[str, list[float]]] = {
+        "full_merged": {"sync_s": [], "bytes": []},
+        "adapter_only": {"sync_s": [], "bytes": []},
+    }
+    for version in range(100, 100 + repeats):
+        started = time.perf_counter()
+        received = engine.receive.remote()
+        with weight_sync.merged_lora_tensors(policy) as merged:
+            report = weight_sync.send_weights(groups, merged, version=version, bucket_bytes=bucket_mib * MIB)
+        ray.get(received)
+        out["full_merged"]["sync_s"].append(time.perf_counter() - started)
+        out["full_merged"]["bytes"].append(report.nbytes)
+        started = time.perf_counter()
+        received = lora_engine.receive.remote()
+        report = weight_sync.send_weights(
+            lora_groups,
+            weight_sync.lora_adapter_tensors(policy),
+            version=version,
+            bucket_bytes=bucket_mib * MIB,
+        )
+        ray.get(received)
+        out["adapter_only"]["sync_s"].append(time.perf_counter() - started)
+        out["adapter_only"]["bytes"].append(report.nbytes)
+        want = float(sum(t.double().abs().sum() for t in get_peft_model_state_dict(policy).values()))
+        if abs(ray.get(lora_engine.adapter_checksum.remote()) - want) > 1e-6 * want:
+            raise RuntimeError("adapter-only: the engine's adapter differs from the trainer's")
+    return {name: {k: statistics.median(v) for k, v in per.items()} for name, per in out.items()}
+
+
+@ray.remote
 class BenchEngine:
     """A rollout-engine stand-in: a model updated in place by either path; measures its own memory."""
 
@@ -121,7 +206,7 @@ def perturb(model: torch.nn.Module, step: int) -> None:
             p.add_(1e-3 * torch.randn_like(p))
 
 
-def run(quick: bool, bucket_mib: int) -> dict[str, Any]:
+def run(quick: bool, bucket_mib: int, lora: bool = False) -> dict[str, Any]:
     config = model_config()
     trainer = build_model(config, seed=1)
     params = sum(p.numel() for p in trainer.parameters())
@@ -174,6 +259,7 @@ def run(quick: bool, bucket_mib: int) -> dict[str, Any]:
                     raise RuntimeError(
                         f"{name}: the engine's weights differ from the trainer's after the sync"
                     )
+        lora_summary = run_lora(trainer, config, engine, groups, bucket_mib, repeats) if lora else None
     finally:
         ray.shutdown()
     summary = {
@@ -186,6 +272,7 @@ def run(quick: bool, bucket_mib: int) -> dict[str, Any]:
         "repeats": repeats,
         "paths": summary,
         "raw": results,
+        "lora": lora_summary,
     }
 
 
@@ -196,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one sync per path instead of three")
     parser.add_argument("--json", action="store_true", help="print one JSON object before the last line")
     parser.add_argument("--bucket-mib", type=int, default=64, help="collective bucket size in MiB")
+    parser.add_argument("--lora", action="store_true", help="also: full merged vs adapter-only sync")
     args = parser.parse_args(argv)
-    out = run(args.quick, args.bucket_mib)
+    out = run(args.quick, args.bucket_mib, args.lora)
     store, coll = out["paths"]["object_store"], out["paths"]["collective"]
     if args.json:
         print(json.dumps(out))
@@ -213,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:<14}{row['sync_s']:>9.2f}{row['trainer_extra_bytes'] / MIB:>14.0f}"
                 f"{row['engine_extra_bytes'] / MIB:>13.0f}{total / MIB:>12.0f}"
             )
+    if out["lora"]:
+        full, adapter = out["lora"]["full_merged"], out["lora"]["adapter_only"]
+        print(
+            f"lora: full merged {full['sync_s']:.2f} s {full['bytes'] / MIB:.0f} MiB, adapter only "
+            f"{adapter['sync_s']:.3f} s {adapter['bytes'] / MIB:.1f} MiB, bytes ratio "
+            f"{full['bytes'] / adapter['bytes']:.1f}, speedup {full['sync_s'] / adapter['sync_s']:.1f}"
+        )
     store_mib = (store["trainer_extra_bytes"] + store["engine_extra_bytes"]) / MIB
     coll_mib = (coll["trainer_extra_bytes"] + coll["engine_extra_bytes"]) / MIB
     print(

@@ -7,13 +7,18 @@ engine's gloo group, and the node advertises `rljob_rollout_<j>` for every simul
   trains step k (the only way a sample can be one version old), and nothing older is trained on.
 - A dedicated engine killed mid-run is dropped, its requests are requeued, training goes on, the
   SyncReport lists its pod as lost, and a new engine joins at the next sync with the weights first.
+- A dedicated engine whose generate call hangs past rollout.engineTimeoutS is dropped after about
+  the timeout, reported lost once, its requests requeued: every step still trains a full batch.
 - A lowered dedicated target drains the engine above it and acknowledges it in releasedRolloutPods.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from trainer_configs import toy_config
@@ -39,11 +44,41 @@ def _cfg(**rollout: Any) -> Any:
     )
 
 
+class _HangingHost(runtimes.Host):
+    """`Host` whose engine `dedicated-1` hangs inside its third generate call, as an engine stuck in
+    a CUDA kernel or a dead NCCL peer would: the call never returns, the actor stays alive. Only the
+    first actor of that name hangs (the marker file is shared by every process); its replacement
+    generates normally. The marker holds the time the hang began."""
+
+    marker: ClassVar[str] = ""
+
+    def __init__(self, kind: str, cfg: Any, **kwargs: Any) -> None:
+        super().__init__(kind, cfg, **kwargs)
+        self._name = kwargs.get("name")
+        self._generates = 0
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "generate" and self._name == "dedicated-1":
+            self._generates += 1
+            marker = Path(self.marker)
+            if self._generates == 3 and not marker.exists():
+                marker.write_text(repr(time.time()))
+                while True:
+                    time.sleep(3600)
+        return super().call(method, *args, **kwargs)
+
+
+def _hanging_host(marker: Path) -> type:
+    return type("HangingHost", (_HangingHost,), {"marker": str(marker)})
+
+
 @pytest.fixture(scope="module")
 def ray_node() -> Iterator[None]:
     """One private Ray node for the module (starting one is the slow, load-sensitive part), with
     the markers of two rollout pods."""
     ray = pytest.importorskip("ray")
+    # Ship this module's host classes by value: the actor processes need not import the tests.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = _cfg(dedicatedEngines=2)
     for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
         try:
@@ -58,11 +93,18 @@ def ray_node() -> Iterator[None]:
 
 
 @pytest.fixture
+def hang_marker(tmp_path: Path) -> Path:
+    return tmp_path / "hung"
+
+
+@pytest.fixture
 def ray_driver(request: pytest.FixtureRequest, ray_node: None) -> Iterator[driver.GRPODriver]:
     import ray
 
     param = dict(getattr(request, "param", {}))
     host_cls = param.pop("host_cls", None)
+    if host_cls == "hanging":
+        host_cls = _hanging_host(request.getfixturevalue("hang_marker"))
     cfg = _cfg(**param)
     d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg, host_cls=host_cls))
     try:
@@ -147,3 +189,51 @@ def test_a_lowered_target_drains_the_engine_and_acknowledges_it(ray_driver: driv
     assert sorted(d.engines) == ["dedicated-0", "dedicated-1"]
     d.step()
     assert d.state.history[-1].released_rollout_pods == []
+
+
+HANG_TIMEOUT_S = 5.0
+
+
+@pytest.mark.timeout(150, func_only=True)  # a driver that waits for a hung engine forever fails
+@pytest.mark.parametrize(
+    "ray_driver",
+    [{"dedicatedEngines": 2, "engineTimeoutS": HANG_TIMEOUT_S, "host_cls": "hanging"}],
+    indirect=True,
+)
+def test_a_hung_engine_is_dropped_after_the_timeout_and_no_prompt_is_lost(
+    ray_driver: driver.GRPODriver, hang_marker: Path
+) -> None:
+    d = ray_driver
+    assert sorted(d.engines) == ["dedicated-0", "dedicated-1"]
+    batch = d.cfg.samples_per_step
+    trained: list[int] = []  # samples handed to the rank per train_step call (the real call's args)
+    dropped: list[tuple[str, bool, float]] = []
+    submit, drop = d.rt.submit, d.drop_engine
+
+    def watch_submit(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "train_step":
+            trained.append(sum(len(mb.samples) for mb in args[0]))
+        return submit(handle, method, *args, **kwargs)
+
+    def watch_drop(name: str, *, lost: bool = False) -> None:
+        dropped.append((name, lost, time.time()))
+        drop(name, lost=lost)
+
+    d.rt.submit, d.drop_engine = watch_submit, watch_drop  # type: ignore[method-assign]
+    rows = [d.step() for _ in range(5)]
+
+    assert hang_marker.exists(), "the engine never hung: the test did not exercise the timeout"
+    hung_at = float(hang_marker.read_text())
+    lost = [(name, at) for name, was_lost, at in dropped if was_lost]
+    assert [name for name, _ in lost] == ["dedicated-1"]
+    # Dropped after about the timeout: not before it, and within the pipeline's 1 s polling and load.
+    assert HANG_TIMEOUT_S * 0.8 <= lost[0][1] - hung_at <= HANG_TIMEOUT_S + 10
+    # Reported lost exactly once, in the SyncReport of the interval it happened.
+    reported = [p for r in d.state.history for p in r.lost_rollout_pods]
+    assert reported == [1]
+    # Its requests went back to the queue: every step trained a full batch, the run went on.
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and d.state.step == 5
+    assert trained == [batch] * 5
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # Pod 1 is alive, so a new engine joined at the next sync point with the current weights.
+    assert "dedicated-1" in d.engines and d.engines["dedicated-1"].version == d.weights_version

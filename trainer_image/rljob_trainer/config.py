@@ -248,6 +248,12 @@ class RolloutSettings(_Model):
         "per engine (gloo on CPU, NCCL on GPU, HCCL on Ascend); object-store: the fallback, one whole-model "
         "dict through Ray's object store. vLLM engines always use object-store here.",
     )
+    engine_lora: bool = Field(
+        False,
+        description="With model.finetune lora: the engines serve the LoRA adapter on top of the base model "
+        "themselves, so a weight sync sends only the adapter tensors (the base once more after a level-2 "
+        "sleep). Transformers engines only for now; not in the RLJob spec yet.",
+    )
 
     @model_validator(mode="after")
     def _some_engine(self) -> RolloutSettings:
@@ -415,6 +421,16 @@ class TrainerConfig(_Model):
             raise ValueError(
                 f"distributed.trainerPodRanks {pods} must sum to distributed.numTrainerRanks "
                 f"({self.distributed.num_trainer_ranks})"
+            )
+        if self.rollout.engine_lora and self.model.finetune != "lora":
+            raise ValueError(
+                "rollout.engineLora needs model.finetune: lora (there is no adapter to send); "
+                "set model.finetune to lora or rollout.engineLora to false"
+            )
+        if self.rollout.engine_lora and self.rollout.kind != "transformers":
+            raise ValueError(
+                "rollout.engineLora is built for the transformers engine only; vLLM engines take the "
+                "merged model (set rollout.engineLora to false)"
             )
         samples = self.grpo.group_size * self.grpo.prompts_per_step
         if samples % self.grpo.mini_batches_per_step:

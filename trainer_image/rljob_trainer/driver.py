@@ -5,13 +5,16 @@ Role: on trainer pod 0 (inside the Ray head), or in one process in local mode, t
      (`engines.build_engine`) through a runtime: `RayRuntime` (Ray actors; a dedicated engine j is
      pinned to rollout pod j by the Ray custom resource `rljob_rollout_<j>` that pod advertises) or
      `LocalRuntime` (same objects, called in-process; one rank);
-  2. per step: samples prompts (resumable sampler), dispatches `prompts × group` requests to the
-     awake engines through the `dispatcher.Dispatcher` it owns, scores rewards, computes
-     group-normalised advantages, DP-balances each mini-batch (`dp_balance.plan_dp_balance`, same
-     micro-batch planner the ranks execute) and trains;
+  2. per step: takes the step's complete batch of rollouts from its `rollout_pipeline.RolloutPipeline`
+     (prompts sampled, `prompts × group` requests dispatched to the awake engines through the
+     `dispatcher.Dispatcher`, generated up to `grpo.maxStaleness` steps ahead on dedicated engines,
+     requeued when an engine is lost), scores rewards, computes group-normalised advantages,
+     DP-balances each mini-batch (`dp_balance.plan_dp_balance`, same micro-batch planner the ranks
+     execute) and trains while the pipeline keeps generating;
   3. at the sync point: pushes the new weights into every engine in place, closes the dispatcher's
      interval into a `telemetry.SyncReport`, publishes it (logs, Prometheus, ConfigMap), reads the
-     desired engine counts back and wakes/sleeps shared engines and adds/drops dedicated ones;
+     desired engine counts back and wakes/sleeps shared engines and adds/drops dedicated ones (the
+     engines are the driver's: the pipeline asks it to drop one that died or hung);
   4. checkpoints every `checkpoint.interval_steps` and resumes from the latest checkpoint.
 Callers: `rljob_trainer.__main__`, integration tests.
 """
@@ -36,6 +39,7 @@ from rljob_trainer import (
     modeling,
     rewards,
     rollout_buffer,
+    rollout_pipeline,
     runtimes,
     telemetry,
     telemetry_sink,
@@ -44,7 +48,6 @@ from rljob_trainer import (
     weight_sync,
 )
 from rljob_trainer import config as config_mod
-from rljob_trainer.engines import base
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -59,13 +62,12 @@ RayRuntime = runtimes.RayRuntime
 Runtime = runtimes.Runtime
 
 
+# The pipeline's names stay importable from here.
+EngineState = rollout_pipeline.EngineState
+sample_seed = rollout_pipeline.sample_seed
+
+
 # ---- pure helpers --------------------------------------------------------------------------------
-def sample_seed(seed: int, step: int, index: int) -> int:
-    """Sampling seed of request `index` at `step`: a function of (seed, step, index) only, so a resumed
-    job draws the same samples as an uninterrupted one."""
-    return (seed * 1_000_003 + step * 100_003 + index) % (2**31 - 1)
-
-
 def split_mini_batches(n: int, count: int) -> list[list[int]]:
     """Contiguous index ranges of `count` equal mini-batches (n divisible by count, checked in config)."""
     size = n // count
@@ -93,49 +95,6 @@ def shard_for_ranks(
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-@dataclass
-class _Engine:
-    """The driver's view of one engine: `awake` = serves this step's requests (the dispatcher's view);
-    `asleep` = the engine itself sleeps (vLLM sleep mode); `version` = weights version it holds."""
-
-    name: str
-    handle: Any
-    colocated: bool
-    pod_index: int | None
-    awake: bool = True
-    asleep: bool = False
-    version: int = 0
-    draining: bool = False  # above a lowered dedicated target: no new requests, dropped once idle
-
-
-@dataclass
-class _GenJob:
-    """The rollouts of one training step: its prompts, their requests and the outputs so far."""
-
-    step: int
-    prompt_indices: list[int]
-    sampler_after: data.SamplerState
-    group_ids: list[int]
-    prompts: list[list[int]]
-    seeds: list[int]
-    outputs: list[base.GenerationOutput | None]
-    started: float | None = None  # first request dispatched
-    finished: float | None = None  # last output received
-
-    @property
-    def complete(self) -> bool:
-        return all(o is not None for o in self.outputs)
-
-
-@dataclass
-class _Call:
-    """One generate call in flight: its engine, its request ids and when it was submitted."""
-
-    engine: str
-    ids: list[int]
-    submitted: float
-
-
 class EngineLost(RuntimeError):
     """An engine died or hung past rollout.engineTimeoutS."""
 
@@ -174,27 +133,27 @@ class GRPODriver:
         self.dispatcher = dispatcher.Dispatcher(clock)
         self.state = DriverState()
         self.ranks: list[Any] = []
-        self.engines: dict[str, _Engine] = {}
+        self.engines: dict[str, rollout_pipeline.EngineState] = {}
         self.shared_awake_target = cfg.rollout.shared_engines if cfg.rollout.dedicated_engines == 0 else 0
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
-        self._weights: tuple[int, Any] | None = None
+        self._weights: tuple[tuple[int, str], Any] | None = None
         self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
-        # The rollout pipeline: generation jobs by step, request -> (step, index), calls in flight.
-        self._jobs: dict[int, _GenJob] = {}
-        self._request_of: dict[int, tuple[int, int]] = {}
-        self._calls: dict[Any, _Call] = {}
-        self._gen_sampler = data.SamplerState()
-        self._next_gen_step = 1
+        self.pipeline = rollout_pipeline.RolloutPipeline(
+            cfg,
+            runtime,
+            self.dispatcher,
+            self.engines,
+            self,
+            examples=self.examples,
+            encode_prompt=self._encode_prompt,
+            clock=clock,
+        )
         self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
         self._released_pods: set[int] = set()  # drained after a lowered target, not re-added since
-        self._regenerated = 0  # requests regenerated because their output was too stale
-        self._wait_s = 0.0  # trainer blocked waiting for rollouts since the last sync point
-        self._collective = (
-            cfg.rollout.weight_sync == "collective"
-            and cfg.rollout.kind == "transformers"
-            and isinstance(runtime, runtimes.RayRuntime)
-        )
+        self._vllm_api = weight_sync.detect_vllm_weight_transfer() if cfg.rollout.kind == "vllm" else None
+        self.weight_transfer: dict[str, weight_sync.WeightTransferChoice] = {}  # by engine name
+        self._collective = self._transfer_choice(colocated=False).path == weight_sync.PATH_COLLECTIVE
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -207,11 +166,11 @@ class GRPODriver:
         for i in range(self.cfg.rollout.shared_engines):
             self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
         self._resume()
-        self._gen_sampler, self._next_gen_step = self.state.sampler, self.state.step + 1
-        self._reconcile_dedicated()
+        self.pipeline.start_at(self.state.sampler, self.state.step + 1)
+        self.reconcile_dedicated()
         self.placement = self.check_placement()
         self._sync_awake_engines()
-        self._sleep_shared_engines()
+        self.sleep_shared_engines()
         self._last_sync = self.clock()
         self.dispatcher.close_interval()
 
@@ -252,14 +211,37 @@ class GRPODriver:
     def _sleep_mode(self) -> bool:
         return self.cfg.rollout.enable_sleep_mode
 
+    def _transfer_choice(self, *, colocated: bool) -> weight_sync.WeightTransferChoice:
+        device, _ = trainer.resolve_device_and_backend(self.cfg.distributed)
+        return weight_sync.choose_weight_transfer(
+            engine_kind=self.cfg.rollout.kind,
+            colocated=colocated,
+            weight_sync=self.cfg.rollout.weight_sync,
+            device_type=device,
+            ray=isinstance(self.rt, runtimes.RayRuntime),
+            vllm=self._vllm_api,
+        )
+
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
-        self.engines[name] = _Engine(name, handle, colocated, pod_index)
+        self.engines[name] = rollout_pipeline.EngineState(name, handle, colocated, pod_index)
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
         self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
-        if name in self.engines and self._collective:
+        choice = self._transfer_choice(colocated=colocated)
+        if choice not in self.weight_transfer.values():  # once per kind of engine and path
+            log.info(
+                "weight transfer to %s engines: %s, backend %s (%s)",
+                "colocated" if colocated else "dedicated",
+                choice.path,
+                choice.backend,
+                choice.reason,
+            )
+        self.weight_transfer[name] = choice
+        if name in self.engines and choice.path == weight_sync.PATH_COLLECTIVE:
             self._join_weight_group(name)
+        elif name in self.engines and choice.path == weight_sync.PATH_VLLM_NATIVE:
+            self._join_vllm_transfer(name, choice.backend)
         if name not in self.engines:
             raise EngineLost(f"engine {name} was lost while it started")
         self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
@@ -282,14 +264,30 @@ class GRPODriver:
         if name in self.engines:
             self.rt.get(rank_side)
 
-    def _drop_engine(self, name: str, *, lost: bool = False) -> None:
+    def _join_vllm_transfer(self, name: str, backend: str) -> None:
+        """vLLM's weight-transfer channel of engine `name`: an nccl group with trainer rank 0 (both
+        sides block until joined), or nothing to open for ipc. NOT RUN here (no GPU, no vLLM)."""
+        handle = self.engines[name].handle
+        if backend == "ipc":
+            self._settle({name: self.rt.submit(handle, "init_weight_transfer", {})}, what="weight transfer")
+            return
+        world = 1 + int(self.rt.get(self.rt.submit(handle, "world_size")))
+        host, port = self.rt.get(self.rt.submit(self.ranks[0], "vllm_transfer_address"))
+        info = {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world}
+        engine_side = self.rt.submit(handle, "init_weight_transfer", info)
+        rank_side = self.rt.submit(self.ranks[0], "vllm_transfer_open", name, host, port, world)
+        self._settle({name: engine_side}, what="weight transfer")
+        if name in self.engines:
+            self.rt.get(rank_side)
+
+    def drop_engine(self, name: str, *, lost: bool = False) -> None:
         """Drop an engine: its queued and in-flight requests go back to the queue, its calls are
         forgotten, its weight group on rank 0 is closed. A lost dedicated engine's pod is reported."""
         eng = self.engines.pop(name)
         self.dispatcher.remove_engine(name)
-        for fut in [f for f, c in self._calls.items() if c.engine == name]:
-            del self._calls[fut]
-        if self._collective:
+        self.pipeline.forget_engine(name)
+        choice = self.weight_transfer.get(name)
+        if choice is not None and choice.path in (weight_sync.PATH_COLLECTIVE, weight_sync.PATH_VLLM_NATIVE):
             self.rt.submit(self.ranks[0], "weight_group_close", name)  # queued behind the rank's work
         try:
             self.rt.kill(eng.handle)
@@ -316,7 +314,7 @@ class GRPODriver:
                 for name in pending:
                     log.warning("engine %s: %s hung past %.0f s", name, what, timeout)
                     if name in self.engines:
-                        self._drop_engine(name, lost=True)
+                        self.drop_engine(name, lost=True)
                 break
             for name, fut in list(pending.items()):
                 if fut not in done:
@@ -327,10 +325,10 @@ class GRPODriver:
                 except lost as e:
                     log.warning("engine %s: %s failed, the engine is gone: %s", name, what, e)
                     if name in self.engines:
-                        self._drop_engine(name, lost=True)
+                        self.drop_engine(name, lost=True)
         return out
 
-    def _reconcile_dedicated(self) -> None:
+    def reconcile_dedicated(self) -> None:
         """Add dedicated engines on live rollout pods up to the target (each gets the weights first);
         drain the highest above it: no new requests, dropped (and reported released) once idle."""
         target = min(self.dedicated_target, self.cfg.rollout.max_dedicated_engines)
@@ -344,7 +342,7 @@ class GRPODriver:
             self.engines[name].awake = False
             self.dispatcher.set_engine(name, awake=False, capacity=self.cfg.rollout.max_num_seqs)
             log.info("engine %s draining (dedicated target %s)", name, target)
-        self._release_drained()
+        self.release_drained()
         pods = {j for j, _ in have[:target]}
         for j in self.rt.rollout_pods():
             if len(pods) >= target:
@@ -361,10 +359,10 @@ class GRPODriver:
             if name in self.engines:
                 pods.add(j)
 
-    def _release_drained(self) -> None:
+    def release_drained(self) -> None:
         for name, eng in list(self.engines.items()):
-            if eng.draining and not any(c.engine == name for c in self._calls.values()):
-                self._drop_engine(name)
+            if eng.draining and not self.pipeline.busy({name}):
+                self.drop_engine(name)
                 if eng.pod_index is not None:
                     self._released_pods.add(eng.pod_index)
 
@@ -381,7 +379,7 @@ class GRPODriver:
         want = self.shared_awake_target if dedicated_up else len(shared)
         return shared[:want]
 
-    def _prepare_generation(self) -> None:
+    def prepare_generation(self) -> None:
         """Wake (weights, load, KV cache) the shared engines that generate now; mark who serves."""
         serving = set(self._generating_shared())
         waking = [n for n in sorted(serving) if self.engines[n].asleep]
@@ -400,7 +398,7 @@ class GRPODriver:
                 eng.awake = awake
                 self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
 
-    def _sleep_shared_engines(self) -> None:
+    def sleep_shared_engines(self) -> None:
         """Shared engines free the accelerators for training (level `rollout.sleepLevel`); never
         without sleep mode. Every shared engine leaves the dispatcher until it is woken."""
         level = self.cfg.rollout.sleep_level
@@ -429,8 +427,8 @@ class GRPODriver:
         ]
         if names:
             t0 = self.clock()  # the trainer idles here until the engines finish their calls
-            self._pump(lambda: not any(c.engine in names for c in self._calls.values()), admit=False)
-            self._wait_s += self.clock() - t0
+            self.pipeline.pump(lambda: not self.pipeline.busy(names), admit=False)
+            self.pipeline.trainer_wait_s += self.clock() - t0
             self._update_engine_weights([n for n in names if n in self.engines])
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -465,37 +463,60 @@ class GRPODriver:
         return path
 
     # ---- weights ---------------------------------------------------------------------------------
-    def _current_weights(self) -> Any:
-        """The trainer's merged weights of this version (fetched once per version from the ranks)."""
-        if self._weights is not None and self._weights[0] == self.weights_version:
+    def _current_weights(self, what: str = weight_sync.SEND_MERGED) -> Any:
+        """The trainer's engine weights of this version (`weight_sync.SEND_*`), fetched once per
+        version and kind from the ranks."""
+        key = (self.weights_version, what)
+        if self._weights is not None and self._weights[0] == key:
             return self._weights[1]
-        futures = [self.rt.submit(r, "engine_weights") for r in self.ranks]
-        weights = futures[0]  # rank 0 holds the full merged weights; the others only take part
+        futures = [self.rt.submit(r, "engine_weights", what) for r in self.ranks]
+        weights = futures[0]  # rank 0 holds the full weights; the others only take part
         self.rt.get(futures[1:])
         if isinstance(self.rt, runtimes.LocalRuntime):
             weights = self.rt.get(weights)
-        self._weights = (self.weights_version, weights)
+        self._weights = (key, weights)
         return weights
+
+    def _what_to_send(self, name: str) -> str:
+        """Engines serving LoRA (rollout.engineLora) take only the adapter while their base is intact,
+        base and adapter once a level-2 sleep discarded it; other engines the merged model."""
+        if not self.cfg.rollout.engine_lora:
+            return weight_sync.SEND_MERGED
+        discarded = self.engines[name].version < 0
+        return weight_sync.SEND_BASE_AND_ADAPTER if discarded else weight_sync.SEND_ADAPTER
 
     def _update_engine_weights(self, names: Sequence[str]) -> None:
         """The current weights into `names`: over each engine's weight group (the default), or as one
         whole-model dict through the object store (rollout.weightSync object-store, vLLM, local mode).
         An engine that fails or hangs is dropped as lost; the others carry on."""
         version = self.weights_version
-        if not names:
-            return
+        native = [
+            n
+            for n in names
+            if self.weight_transfer.get(n) and self.weight_transfer[n].path == weight_sync.PATH_VLLM_NATIVE
+        ]
+        if native:
+            self._update_vllm_native(native, version)
+        by_what: dict[str, list[str]] = {}
+        for n in names:
+            if n not in native:
+                by_what.setdefault(self._what_to_send(n), []).append(n)
+        for what, group in sorted(by_what.items()):
+            self._send_weights(group, version, what)
+
+    def _send_weights(self, names: Sequence[str], version: int, what: str) -> None:
         if self._collective:
             receiving = {n: self.rt.submit(self.engines[n].handle, "receive_engine_weights") for n in names}
-            sends = [self.rt.submit(r, "send_engine_weights", version, list(names)) for r in self.ranks]
+            sends = [self.rt.submit(r, "send_engine_weights", version, list(names), what) for r in self.ranks]
             failed = self.rt.get(sends)[0]
             for name, error in failed.items():
                 log.warning("weight sync to %s failed: %s", name, error)
             done = self._settle(receiving, what="weight sync")
             for name in failed:
                 if name in self.engines:
-                    self._drop_engine(name, lost=True)
+                    self.drop_engine(name, lost=True)
         else:
-            weights = self._current_weights()
+            weights = self._current_weights(what)
             done = self._settle(
                 {
                     n: self.rt.submit(self.engines[n].handle, "update_weights", weights, version)
@@ -507,193 +528,51 @@ class GRPODriver:
             if n in self.engines:
                 self.engines[n].version = version
 
+    def _update_vllm_native(self, names: Sequence[str], version: int) -> None:
+        """The current weights through vLLM's weight-transfer API: nccl engines receive while the ranks
+        broadcast; ipc engines are called by rank 0 with the handles. NOT RUN here (no GPU, no vLLM)."""
+        meta = self.rt.get(self.rt.submit(self.ranks[0], "engine_weight_metadata"))
+        nccl = [n for n in names if self.weight_transfer[n].backend == "nccl"]
+        receiving = {
+            n: self.rt.submit(
+                self.engines[n].handle, "receive_weight_transfer", {**meta, "packed": True}, version
+            )
+            for n in nccl
+        }
+        targets = {
+            n: (self.weight_transfer[n].backend, None if n in nccl else self.engines[n].handle) for n in names
+        }
+        failed = self.rt.get([self.rt.submit(r, "vllm_send_weights", version, targets) for r in self.ranks])[
+            0
+        ]
+        done = set(self._settle(receiving, what="weight sync")) | {n for n in names if n not in nccl}
+        for name, error in failed.items():
+            log.warning("weight transfer to %s failed: %s", name, error)
+            done.discard(name)
+            if name in self.engines:
+                self.drop_engine(name, lost=True)
+        for n in done:
+            if n in self.engines:
+                self.engines[n].version = version
+
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
         ids = data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
         return ids[-self.cfg.lengths.max_prompt_tokens :]
 
-    # ---- the rollout pipeline ----------------------------------------------------------------------
-    # Generation runs ahead of training by up to `grpo.maxStaleness` steps on dedicated engines (step
-    # s may start generating once the weights of step s-1-maxStaleness are synced), so every sample
-    # trained at step s is at most maxStaleness updates old; shared engines (on the trainer's
-    # accelerators) only ever serve the step the trainer is waiting for. Ray futures make it overlap:
-    # generate calls are in flight while the ranks train, and `_pump` collects what finishes.
     @property
     def lookahead(self) -> int:
-        """How many steps generation may run ahead now: maxStaleness with a dedicated engine up, else 0."""
-        dedicated = any(not e.colocated and not e.draining for e in self.engines.values())
-        return self.cfg.grpo.max_staleness if dedicated else 0
-
-    def _fill_pipeline(self) -> None:
-        """Queue the requests of every step within the staleness bound that has not started."""
-        g = self.cfg.grpo
-        last = min(g.max_steps, self.weights_version + self.lookahead + 1)
-        while self._next_gen_step <= last:
-            step = self._next_gen_step
-            idx, self._gen_sampler = data.next_prompts(
-                self._gen_sampler,
-                g.prompts_per_step,
-                num_examples=len(self.examples),
-                seed=g.seed,
-                shuffle=self.cfg.data.shuffle,
-            )
-            group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
-            prompts = [self._encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
-            n = len(prompts)
-            job = _GenJob(
-                step,
-                idx,
-                self._gen_sampler,
-                group_ids,
-                prompts,
-                [sample_seed(g.seed, step, i) for i in range(n)],
-                [None] * n,
-            )
-            self._jobs[step] = job
-            for i, rid in enumerate(self.dispatcher.submit(n)):
-                self._request_of[rid] = (step, i)
-            self._next_gen_step += 1
-
-    def _admit(self, current: int) -> None:
-        """Hand queued requests to idle awake engines, one generate call per engine at a time:
-        shared engines take only step `current`'s, dedicated ones the oldest of any step."""
-        busy = {c.engine for c in self._calls.values()}
-        idle = [n for n, e in self.engines.items() if e.awake and n not in busy]
-        if not idle:
-            return
-        per_call = -(-self.cfg.samples_per_step // max(1, sum(1 for e in self.engines.values() if e.awake)))
-        job = self._jobs.get(current)
-        current_ids = {rid for rid, (st, _) in self._request_of.items() if st == current} if job else set()
-        shared = [n for n in idle if self.engines[n].colocated]
-        dedicated = [n for n in idle if not self.engines[n].colocated]
-        batches: dict[str, list[int]] = {}
-        if shared and current_ids:
-            batches.update(self.dispatcher.admit(per_call, engines=shared, requests=current_ids))
-        if dedicated:
-            batches.update(self.dispatcher.admit(per_call, engines=dedicated))
-        g = self.cfg.grpo
-        for name, ids in batches.items():
-            where = [self._request_of[r] for r in ids]
-            sampling = base.SamplingSettings(
-                temperature=g.temperature,
-                top_p=g.top_p,
-                max_tokens=self.cfg.lengths.max_response_tokens,
-                seeds=tuple(self._jobs[st].seeds[i] for st, i in where),
-            )
-            now = self.clock()
-            for st, _ in where:
-                if self._jobs[st].started is None:
-                    self._jobs[st].started = now
-            batch = [self._jobs[st].prompts[i] for st, i in where]
-            fut = self.rt.submit(self.engines[name].handle, "generate", batch, sampling)
-            self.dispatcher.mark_generating(ids)
-            self._calls[fut] = _Call(name, ids, now)
-
-    def _collect(self, fut: Any) -> None:
-        """One finished generate call: its outputs into their jobs, or its engine dropped as lost."""
-        call = self._calls.pop(fut)
-        try:
-            outs = self.rt.get(fut)
-        except self.rt.lost_errors() as e:
-            log.warning("engine %s lost while generating: %s", call.engine, e)
-            self._calls[fut] = call  # _drop_engine forgets it and requeues its requests
-            self._drop_engine(call.engine, lost=True)
-            return
-        now = self.clock()
-        for rid, out in zip(call.ids, outs, strict=True):
-            st, i = self._request_of.pop(rid)
-            job = self._jobs[st]
-            job.outputs[i] = out
-            if job.complete:
-                job.finished = now
-        self.dispatcher.finish(call.ids)
-        eng = self.engines.get(call.engine)
-        if eng is not None and eng.draining:
-            self._release_drained()
-
-    def _pump(
-        self,
-        done: Callable[[], bool],
-        *,
-        current: int | None = None,
-        admit: bool = True,
-        also: Sequence[Any] = (),
-    ) -> None:
-        """Run the pipeline (admit, collect, drop hung engines) until `done()`; `also` are other futures
-        (the ranks' training) whose completion is a reason to re-check `done`."""
-        timeout = self.cfg.rollout.engine_timeout_s
-        while not done():
-            if admit and current is not None:
-                self._admit(current)
-            if not self._calls and not also:
-                if not (admit and self._queued_requests()):
-                    return
-                self._await_engine()
-                continue
-            now = self.clock()
-            oldest = min((c.submitted for c in self._calls.values()), default=now)
-            wait = max(0.0, min(timeout - (now - oldest), 1.0)) if self._calls else 1.0
-            for fut in self.rt.wait_any([*self._calls, *also], wait):
-                if fut in self._calls:
-                    self._collect(fut)
-            now = self.clock()
-            for fut, call in list(self._calls.items()):
-                if fut in self._calls and now - call.submitted > timeout:
-                    log.warning("engine %s hung past %.0f s", call.engine, timeout)
-                    self._drop_engine(call.engine, lost=True)
-
-    def _await_engine(self) -> None:
-        """Requests are queued and no engine can take them (every dedicated engine was lost): bring
-        engines up on the rollout pods that are back, waiting up to rollout.engineTimeoutS for one."""
-        deadline = time.monotonic() + self.cfg.rollout.engine_timeout_s
-        while not any(e.awake for e in self.engines.values()):
-            self._reconcile_dedicated()
-            if any(e.awake for e in self.engines.values()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    "requests are queued but no rollout engine is up: every dedicated engine was lost, "
-                    f"no rollout pod came back within {self.cfg.rollout.engine_timeout_s:.0f} s "
-                    "(rollout.engineTimeoutS) and there is no shared engine to fall back on"
-                )
-            time.sleep(1.0)
-
-    def _queued_requests(self) -> bool:
-        return any(self.dispatcher.is_queued(rid) for rid in self._request_of)
-
-    def _wait_for_batch(self, step: int) -> _GenJob:
-        """Block until step `step`'s rollouts are complete and within the staleness bound; outputs too
-        stale (an engine's weights were older than the bound allows) are regenerated and counted."""
-        bound = self.cfg.grpo.max_staleness
-        job = self._jobs[step]
-        while True:
-            if not job.complete:
-                self._prepare_generation()
-                t0 = self.clock()
-                self._pump(lambda: job.complete, current=step)
-                self._wait_s += self.clock() - t0
-                self._sleep_shared_engines()
-            stale = [
-                i
-                for i, o in enumerate(job.outputs)
-                if o is not None and rollout_buffer.staleness(step - 1, int(o.meta.get("version", 0))) > bound
-            ]
-            if not stale:
-                return job
-            log.warning("step %s: %d rollouts beyond staleness %d, regenerating", step, len(stale), bound)
-            self._regenerated += len(stale)
-            for i, rid in zip(stale, self.dispatcher.submit(len(stale)), strict=True):
-                job.outputs[i] = None
-                self._request_of[rid] = (step, i)
+        """How many steps generation may run ahead now (`RolloutPipeline.lookahead`)."""
+        return self.pipeline.lookahead
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         cfg, g = self.cfg, self.cfg.grpo
         step = self.state.step + 1
         t_start = self.clock()
-        self._fill_pipeline()
-        job = self._wait_for_batch(step)
-        del self._jobs[step]
+        self.pipeline.fill()
+        job = self.pipeline.wait_for_batch(step)
+        self.pipeline.take_job(step)
         outs = [o for o in job.outputs if o is not None]
         gen_s = (job.finished or self.clock()) - (job.started or t_start)
         idx, sampler_next, group_ids = job.prompt_indices, job.sampler_after, job.group_ids
@@ -729,14 +608,14 @@ class GRPODriver:
                 )
         t_train = self.clock()
         futures = [self.rt.submit(h, "train_step", per_rank[r]) for r, h in enumerate(self.ranks)]
-        self._fill_pipeline()  # dedicated engines generate the next steps while the ranks train
+        self.pipeline.fill()  # dedicated engines generate the next steps while the ranks train
         pending = list(futures)
 
         def trained() -> bool:
             pending[:] = [f for f in pending if f not in self.rt.wait_any(pending, 0)] if pending else []
             return not pending
 
-        self._pump(trained, current=step + 1, also=pending)
+        self.pipeline.pump(trained, current=step + 1, also=pending)
         stats = self.rt.get(futures)
         train_s = self.clock() - t_train
         self.state.step = step
@@ -762,13 +641,13 @@ class GRPODriver:
             "rollout/weights_version_min": min(versions),
             "rollout/staleness_max": max(staleness),
             "rollout/staleness_mean": sum(staleness) / len(staleness),
-            "rollout/regenerated_stale": self._regenerated,
+            "rollout/regenerated_stale": self.pipeline.regenerated,
             "off_policy/is_weight_mean": sum(s["is_weight_sum"] for s in stats)
             / max(sum(s["is_weight_tokens"] for s in stats), 1),
             "off_policy/is_weight_max": max(s["is_weight_max"] for s in stats),
             "off_policy/truncated_fraction": sum(s["is_truncated_tokens"] for s in stats)
             / max(sum(s["is_weight_tokens"] for s in stats), 1),
-            "trainer_wait_s": self._wait_s,
+            "trainer_wait_s": self.pipeline.trainer_wait_s,
             "lookahead": self.lookahead,
             "grad_norm": stats[0]["grad_norm"],
             "response_len_mean": sum(resp_lens) / len(resp_lens),
@@ -797,7 +676,7 @@ class GRPODriver:
             step=metrics["step"],
             time=self.wall_clock(),
             interval_s=load.interval_s,
-            trainer_wait_s=self._wait_s,  # the ranks idled waiting for rollouts this interval
+            trainer_wait_s=self.pipeline.trainer_wait_s,  # the ranks idled waiting for rollouts this interval
             generation_s=gen_s,
             training_s=train_s,
             inflight_request_seconds=load.inflight_request_seconds,
@@ -813,7 +692,7 @@ class GRPODriver:
             lost_rollout_pods=sorted(self._lost_pods),
             staleness_max=metrics["rollout/staleness_max"],
         )
-        self._wait_s = 0.0
+        self.pipeline.trainer_wait_s = 0.0
         self._lost_pods.clear()
         self.state.history = telemetry.append_report(self.state.history, report)
         metrics["busy_mean"] = report.mean_busy
@@ -828,7 +707,7 @@ class GRPODriver:
         if targets is not None:
             self.apply_targets(targets)
         else:
-            self._reconcile_dedicated()  # a rollout pod that joined since the last sync gets its engine
+            self.reconcile_dedicated()  # a rollout pod that joined since the last sync gets its engine
 
     def apply_targets(self, targets: telemetry_sink.EngineTargets) -> None:
         """Follow the operator's desired counts (None leaves a count as it is), and checkpoint now
@@ -843,7 +722,7 @@ class GRPODriver:
         if self.dedicated_target < 1 and not self.cfg.rollout.shared_engines:
             log.warning("dedicated target 0 without a shared engine: keeping one dedicated engine")
             self.dedicated_target = 1
-        self._reconcile_dedicated()
+        self.reconcile_dedicated()
 
     def _honour_checkpoint_request(self, request: telemetry_sink.CheckpointRequest | None) -> None:
         """A new checkpoint request: save at once and acknowledge it (id, step) in the newest

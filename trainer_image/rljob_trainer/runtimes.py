@@ -11,9 +11,10 @@ Callers: `rljob_trainer.driver.GRPODriver`, `rljob_trainer.__main__`, tests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,10 @@ class Host:
             "weight_group_close",
             "send_engine_weights",
             "receive_engine_weights",
+            "engine_weight_metadata",
+            "vllm_transfer_address",
+            "vllm_transfer_open",
+            "vllm_send_weights",
         }
     )
 
@@ -88,30 +93,112 @@ class Host:
 
     def weight_group_close(self, name: str) -> None:
         group = self._groups.pop(name, None)
-        if group is not None:
-            group.close()
+        close = getattr(group, "close", None)  # vLLM's nccl communicator may have none
+        if close is not None:
+            close()
         self._stores.pop(name, None)
 
-    def send_engine_weights(self, version: int, names: Sequence[str]) -> dict[str, str]:
-        """Every trainer rank: stream the policy's engine weights (LoRA merged) bucket by bucket;
-        rank 0 broadcasts them to the groups of `names`. Returns {engine: error} of failed groups."""
-        import torch
+    def send_engine_weights(self, version: int, names: Sequence[str], what: str = "merged") -> dict[str, str]:
+        """Every trainer rank: stream the policy's engine weights (`weight_sync.SEND_*`: LoRA merged,
+        only the adapter, or base and adapter) bucket by bucket; rank 0 broadcasts them to the groups
+        of `names`. Returns {engine: error} of failed groups."""
+        from rljob_trainer import weight_sync
 
-        from rljob_trainer import modeling, weight_sync
-
-        model = self.obj._parts()[0]
         groups = {n: self._groups[n] for n in names if n in self._groups}
-        dtype = getattr(torch, self._cfg.model.dtype)
-        if modeling.is_lora(model):
-            with weight_sync.merged_lora_tensors(model) as tensors:
-                report = weight_sync.send_weights(groups, tensors, version=version, dtype=dtype)
-        else:
-            tensors = weight_sync.model_tensors(model)
+        with self._engine_tensors(what) as (tensors, dtype):
             report = weight_sync.send_weights(groups, tensors, version=version, dtype=dtype)
         for name in report.failed:
             self.weight_group_close(name)
         missing = {n: "no weight group on trainer rank 0" for n in names if n not in groups}
         return {**missing, **report.failed} if self.obj.rank == 0 else {}
+
+    @contextlib.contextmanager
+    def _engine_tensors(self, what: str = "merged") -> Iterator[tuple[list[tuple[str, Any]], Any]]:
+        """The policy's tensors of one sync (`weight_sync.engine_tensors`) and the model dtype."""
+        import torch
+
+        from rljob_trainer import weight_sync
+
+        with weight_sync.engine_tensors(self.obj._parts()[0], what) as tensors:
+            yield tensors, getattr(torch, self._cfg.model.dtype)
+
+    # ---- vLLM's weight-transfer API, trainer side (weight_sync.PATH_VLLM_NATIVE) -----------------
+    # NOT RUN here (no GPU, no vLLM): follows vLLM's examples/rl/rlhf_nccl.py (commit 3a383407):
+    # `NCCLWeightTransferEngine.trainer_init` on trainer rank 0 while the engine runs
+    # `init_weight_transfer_engine`, then `trainer_send_weights` while it runs `update_weights`.
+    def engine_weight_metadata(self) -> dict[str, list[Any]]:
+        """names, dtype_names, shapes of what `vllm_send_weights` sends (vLLM's update_info)."""
+        from rljob_trainer import weight_sync
+
+        with self._engine_tensors() as (tensors, dtype):
+            return {
+                "names": [n for n, _ in tensors],
+                "dtype_names": [
+                    weight_sync._dtype_name(weight_sync._wire_dtype(t, dtype)) for _, t in tensors
+                ],
+                "shapes": [list(t.shape) for _, t in tensors],
+            }
+
+    def vllm_transfer_address(self) -> tuple[str, int]:
+        """Rank 0: an address and a free port for one engine's nccl weight-transfer group."""
+        import socket
+
+        host, _ = self.obj.node_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, int(sock.getsockname()[1])
+
+    def vllm_transfer_open(self, name: str, host: str, port: int, world_size: int) -> None:
+        """Rank 0: open engine `name`'s nccl group (blocks until its workers join)."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self._groups[name] = NCCLWeightTransferEngine.trainer_init(
+            {"master_address": host, "master_port": port, "world_size": world_size}
+        )
+
+    def vllm_send_weights(self, version: int, engines: dict[str, tuple[str, Any]]) -> dict[str, str]:
+        """Every trainer rank: stream the engine tensors once per engine (FSDP gathers are collective);
+        rank 0 sends them, over nccl (`engines[name] = ("nccl", None)`) or as CUDA IPC handles to the
+        colocated engine's actor (`("ipc", handle)`). Returns {engine: error} of failed sends."""
+        from rljob_trainer import weight_sync
+
+        failed: dict[str, str] = {}
+        for name, (backend, handle) in engines.items():
+            with self._engine_tensors() as (tensors, dtype):
+                stream = ((n, weight_sync._materialize(t, dtype)) for n, t in tensors)
+                if self.obj.rank != 0:
+                    for _ in stream:
+                        pass
+                    continue
+                try:
+                    self._vllm_send(name, backend, handle, stream, version)
+                except Exception as exc:  # this engine only; the others go on
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+        return failed
+
+    def _vllm_send(self, name: str, backend: str, handle: Any, stream: Any, version: int) -> None:
+        if backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerSendWeightsArgs,
+                NCCLWeightTransferEngine,
+            )
+
+            args = NCCLTrainerSendWeightsArgs(group=self._groups[name], packed=True)
+            NCCLWeightTransferEngine.trainer_send_weights(iterator=stream, trainer_args=args)
+            return
+        import dataclasses
+
+        import ray
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerSendWeightsArgs,
+            IPCWeightTransferEngine,
+        )
+
+        def send(update_info: Any) -> None:  # the engine maps the handles while they are alive
+            info = dataclasses.asdict(update_info) if dataclasses.is_dataclass(update_info) else update_info
+            ray.get(handle.call.remote("receive_weight_transfer", info, version))
+
+        IPCWeightTransferEngine.trainer_send_weights(stream, IPCTrainerSendWeightsArgs(send_mode=send))
 
     def receive_engine_weights(self) -> int:
         """Engine: receive one sync into the engine in place (under its sleep rules); returns the version."""

@@ -439,9 +439,16 @@ class TrainingRank:
         return loss
 
     # ---- weights and state -----------------------------------------------------------------------
-    def engine_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full merged weights for the engines on rank 0 (every rank must call: FSDP2 gathers)."""
-        weights = dict(modeling.iter_engine_weights(self._parts()[0]))
+    def engine_weights(self, what: str = "merged") -> dict[str, torch.Tensor] | None:
+        """The engines' weights on rank 0 (every rank must call: FSDP2 gathers): the full merged model,
+        or for engines serving LoRA only the adapter, or base and adapter (`weight_sync.SEND_*`)."""
+        if what == "merged":
+            weights = dict(modeling.iter_engine_weights(self._parts()[0]))
+        else:
+            from rljob_trainer import weight_sync
+
+            with weight_sync.engine_tensors(self._parts()[0], what) as tensors:
+                weights = {n: modeling._full_tensor(t).detach().to("cpu").clone() for n, t in tensors}
         return weights if self.rank == 0 else None
 
     def export_hf(self, out_dir: str, step: int) -> dict[str, Any] | None:

@@ -157,6 +157,117 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# ---- which path: vLLM's weight-transfer API, our collective, or the object store (pure) ----------
+# vLLM's own weight-transfer API (`vllm.config.WeightTransferConfig`, `LLM.init_weight_transfer_engine`,
+# `LLM.update_weights`; `start_weight_update`/`finish_weight_update` in later releases) is followed
+# as vLLM's examples/rl/rlhf_nccl.py (commit 3a383407) uses it, with the static trainer side
+# `NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights` (and, for ipc,
+# `IPCWeightTransferEngine.trainer_send_weights` with `IPCTrainerSendWeightsArgs`, as documented for
+# vLLM v0.22.1, whose WeightTransferConfig accepts nccl and ipc; the first releases accepted only
+# nccl). vLLM v0.29's docs drive the trainer through `WeightTransferTrainerFactory` instead, which
+# rljob does not speak yet: there the collective_rpc path is used. NOT RUN here: no GPU, no vLLM.
+PATH_VLLM_NATIVE = "vllm-native"  # vLLM's WeightTransferConfig backend (nccl dedicated, ipc colocated)
+PATH_COLLECTIVE = "collective"  # our bucketed broadcast over one torch.distributed group per engine
+PATH_COLLECTIVE_RPC = "collective-rpc"  # whole-model dict via the object store, loaded by collective_rpc
+PATH_OBJECT_STORE = "object-store"  # whole-model dict via the object store (named fallback)
+
+
+@dataclass(frozen=True)
+class VLLMWeightTransferAPI:
+    """What the installed vLLM offers for weight transfer, as plain data (`detect_vllm_weight_transfer`).
+
+    `backends`: the WeightTransferConfig backends this vLLM has (empty: no WeightTransferConfig);
+    `static_trainer`: `NCCLWeightTransferEngine.trainer_send_weights` is the sender rljob drives.
+    """
+
+    version: str
+    backends: frozenset[str] = frozenset()
+    static_trainer: bool = False
+
+
+@dataclass(frozen=True)
+class WeightTransferChoice:
+    """How weights reach one engine, and why (logged once per engine by the driver)."""
+
+    path: str
+    backend: str
+    reason: str
+
+
+def choose_weight_transfer(
+    *,
+    engine_kind: str,
+    colocated: bool,
+    weight_sync: str,
+    device_type: str,
+    ray: bool,
+    vllm: VLLMWeightTransferAPI | None,
+) -> WeightTransferChoice:
+    """The weight path of one engine. vLLM engines: vLLM's own API where the installed vLLM has the
+    backend (nccl for a dedicated engine, ipc for a colocated one) and rljob can drive its sender,
+    else the collective_rpc path. Transformers engines: our collective (rollout.weightSync
+    collective, Ray runtime), else the object store."""
+    if engine_kind == "vllm":
+        wanted = "ipc" if colocated else "nccl"
+        if vllm is None:
+            return WeightTransferChoice(PATH_COLLECTIVE_RPC, "object-store", "vLLM is not installed")
+        if not vllm.backends:
+            why = f"vLLM {vllm.version} has no WeightTransferConfig"
+        elif wanted not in vllm.backends:
+            have = sorted(vllm.backends)
+            why = f"vLLM {vllm.version}'s WeightTransferConfig has no {wanted!r} backend ({have})"
+        elif not vllm.static_trainer:
+            why = f"vLLM {vllm.version} drives the trainer side by an API rljob does not speak yet"
+        elif weight_sync != "collective":
+            why = "rollout.weightSync is object-store"
+        elif not ray:
+            why = "local mode (one process)"
+        else:
+            kind = "colocated" if colocated else "dedicated"
+            return WeightTransferChoice(
+                PATH_VLLM_NATIVE, wanted, f"vLLM {vllm.version} WeightTransferConfig, {kind} engine"
+            )
+        return WeightTransferChoice(PATH_COLLECTIVE_RPC, "object-store", why)
+    if weight_sync == "collective" and ray:
+        backend = backend_for_device(device_type)
+        return WeightTransferChoice(PATH_COLLECTIVE, backend, f"a {backend} group per engine")
+    why = "rollout.weightSync is object-store" if weight_sync != "collective" else "local mode (one process)"
+    return WeightTransferChoice(PATH_OBJECT_STORE, "object-store", why)
+
+
+def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
+    """Probe the installed vLLM (None when it is not installed); nothing is started."""
+    import importlib.util
+    import typing
+
+    try:
+        import vllm
+    except ImportError:
+        return None
+    version = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        from vllm.config import WeightTransferConfig
+    except ImportError:
+        return VLLMWeightTransferAPI(version)
+    modules = {"nccl": "nccl_engine", "ipc": "ipc_engine"}
+    present = {
+        b for b, m in modules.items() if importlib.util.find_spec(f"vllm.distributed.weight_transfer.{m}")
+    }
+    try:  # early releases declare the accepted backends as a Literal; later ones as a registry `str`
+        hint = typing.get_type_hints(WeightTransferConfig).get("backend")
+        literal = {a for a in typing.get_args(hint) if isinstance(a, str)}
+    except Exception:
+        literal = set()
+    backends = frozenset(present & literal) if literal else frozenset(present)
+    static = False
+    if "nccl" in backends:
+        from vllm.distributed.weight_transfer import nccl_engine
+
+        sender = getattr(getattr(nccl_engine, "NCCLWeightTransferEngine", None), "trainer_send_weights", None)
+        static = sender is not None and hasattr(nccl_engine, "NCCLTrainerSendWeightsArgs")
+    return VLLMWeightTransferAPI(version, backends, static)
+
+
 # ---- groups ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupAddress:
@@ -294,6 +405,42 @@ def lora_adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.T
     from peft import get_peft_model_state_dict
 
     return list(get_peft_model_state_dict(peft_model).items())
+
+
+def lora_base_and_adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The unmerged base model (base-model naming) and then the adapter: what a LoRA engine whose
+    weights were discarded (sleep level 2) needs to serve the policy again."""
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    return [
+        (name.replace(".base_layer.", "."), tensor)
+        for name, tensor in model_tensors(base)
+        if "lora_" not in name
+    ] + lora_adapter_tensors(peft_model)
+
+
+# What a sync sends an engine: the merged model (engines without LoRA), only the adapter (an engine
+# serving LoRA whose base is intact), or base and adapter (such an engine after a level-2 sleep).
+SEND_MERGED, SEND_ADAPTER, SEND_BASE_AND_ADAPTER = "merged", "adapter", "base+adapter"
+
+
+@contextlib.contextmanager
+def engine_tensors(
+    model: torch.nn.Module, what: str = SEND_MERGED
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors of one sync (`SEND_*`), as references into the model (no copies)."""
+    from rljob_trainer import modeling
+
+    if not modeling.is_lora(model):
+        if what != SEND_MERGED:
+            raise ValueError(f"send {what!r} needs a LoRA model (model.finetune lora)")
+        yield model_tensors(model)
+    elif what == SEND_ADAPTER:
+        yield lora_adapter_tensors(model)
+    elif what == SEND_BASE_AND_ADAPTER:
+        yield lora_base_and_adapter_tensors(model)
+    else:
+        with merged_lora_tensors(model) as tensors:
+            yield tensors
 
 
 # ---- send and receive ------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ sampler (so a request's output does not depend on the batch it shares), returnin
 sampled with (after temperature and top-p, like vLLM's `processed_logprobs`); sleep and take new
 weights in place under vLLM's rules (`base.SleepState`: level 1 offloads, level 2 discards, no
 update while the weights sleep, no sleep without sleep mode), so a driver that breaks them on a GPU
-breaks here too. Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor
-or in-process), tests.
+breaks here too. With `rollout.engineLora` (model.finetune lora) it serves the policy as vLLM's
+LoRA engines do: the base model plus the same PEFT adapter, so a weight sync sends only the adapter
+(names in PEFT's saved-adapter form), or base and adapter after a level-2 sleep.
+Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor or in-process), tests.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class TransformersEngine(base.RolloutEngine):
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._missing: set[str] = set()
         self._state = base.SleepState(name, sleep_enabled=colocated and cfg.rollout.enable_sleep_mode)
+        self.serves_lora = cfg.rollout.engine_lora and cfg.model.finetune == "lora"
         self._version = 0
         self._served = 0
         self._tokens = 0
@@ -86,6 +89,9 @@ class TransformersEngine(base.RolloutEngine):
         model = modeling.build_base_model(
             self._cfg.model, init_seed=self._cfg.grpo.seed, attn_implementation="sdpa"
         )
+        if self.serves_lora:  # the trainer's adapter shape; B starts at zero, so it serves the base
+            model = modeling.apply_finetune_mode(model, self._cfg.model)
+            model.requires_grad_(False)
         self._model = model.to(self._device).eval()
 
     @property
@@ -138,6 +144,8 @@ class TransformersEngine(base.RolloutEngine):
     ) -> int:
         self._state.check_update()
         items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        if self.serves_lora:
+            return self._update_lora(items, version)
         state = self.model.state_dict()
         unknown = sorted(set(items) - set(state))
         if unknown:
@@ -151,6 +159,37 @@ class TransformersEngine(base.RolloutEngine):
                     continue
                 target.copy_(torch.as_tensor(v).to(target.dtype))
                 self._missing.discard(k)
+        if not self._missing:
+            self._state.weights_valid = True
+        self._version = self._version + 1 if version is None else int(version)
+        return len(items)
+
+    def _lora_targets(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Sync name -> (parameter name, live tensor): base tensors in the base model's naming (as
+        `weight_sync.lora_base_and_adapter_tensors` sends them), adapter tensors in PEFT's saved form."""
+        from peft import get_peft_model_state_dict
+
+        live = self.model.state_dict(keep_vars=True)
+        name_of = {id(t): n for n, t in live.items()}
+        targets = {
+            n.removeprefix("base_model.model.").replace(".base_layer.", "."): (n, t)
+            for n, t in live.items()
+            if "lora_" not in n
+        }
+        for key, t in get_peft_model_state_dict(self.model, state_dict=live).items():
+            targets[key] = (name_of[id(t)], t)
+        return targets
+
+    def _update_lora(self, items: dict[str, Any], version: int | None) -> int:
+        targets = self._lora_targets()
+        unknown = sorted(set(items) - set(targets))
+        if unknown:
+            raise ValueError(f"engine {self.name}: unknown weight names {unknown[:5]} (it serves LoRA)")
+        with torch.no_grad():
+            for k, v in items.items():
+                name, target = targets[k]
+                target.copy_(torch.as_tensor(v).to(target.dtype))
+                self._missing.discard(name)
         if not self._missing:
             self._state.weights_valid = True
         self._version = self._version + 1 if version is None else int(version)

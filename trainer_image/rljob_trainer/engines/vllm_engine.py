@@ -9,8 +9,15 @@ sampler drew from). The rules are `base.SleepState`, shared with the CPU engine.
 lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
 inside a Ray actor on an accelerator pod.
 
+Weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
+installed vLLM has (`weight_sync.detect_vllm_weight_transfer`): vLLM's own weight-transfer API
+(`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for a colocated one; the
+trainer broadcasts, `receive_weight_transfer` runs start/update/finish_weight_update), or, without
+it, `update_weights` (a whole-model dict through the object store, loaded by `collective_rpc`).
+
 NOT RUN in this repository's tests: there is no GPU here. The calls follow vLLM's public API
-(LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache).
+(LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache,
+init_weight_transfer_engine/update_weights as in vLLM's examples/rl/rlhf_nccl.py, commit 3a383407).
 """
 
 from __future__ import annotations
@@ -52,6 +59,23 @@ class VLLMEngine(base.RolloutEngine):
         self._version = 0
         self._served = 0
         self._tokens = 0
+        self._transfer: Any = None  # weight_sync.WeightTransferChoice, decided at load()
+
+    @property
+    def weight_transfer(self) -> Any:
+        """How this engine takes weights (`weight_sync.WeightTransferChoice`), decided at load()."""
+        if self._transfer is None:
+            from rljob_trainer import weight_sync
+
+            self._transfer = weight_sync.choose_weight_transfer(
+                engine_kind="vllm",
+                colocated=self.colocated,
+                weight_sync=self._cfg.rollout.weight_sync,
+                device_type="cuda",
+                ray=True,
+                vllm=weight_sync.detect_vllm_weight_transfer(),
+            )
+        return self._transfer
 
     def _resolve_model_path(self) -> str:
         m = self._cfg.model
@@ -83,6 +107,12 @@ class VLLMEngine(base.RolloutEngine):
             # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
             # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
             extra["distributed_executor_backend"] = "ray"
+        from rljob_trainer import weight_sync
+
+        if self.weight_transfer.path == weight_sync.PATH_VLLM_NATIVE:
+            from vllm.config import WeightTransferConfig
+
+            extra["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_transfer.backend)
         self._llm = vllm.LLM(
             model=self._resolve_model_path(),
             dtype=self._cfg.model.dtype,
@@ -164,6 +194,33 @@ class VLLMEngine(base.RolloutEngine):
         self._state.weights_valid = True
         self._version = self._version + 1 if version is None else int(version)
         return len(weights)
+
+    # ---- vLLM's weight-transfer API (weight_sync.PATH_VLLM_NATIVE) ---------------------------------
+    def world_size(self) -> int:
+        """The engine's workers (the ranks after the trainer's in an nccl weight-transfer group)."""
+        return self._cfg.rollout.tensor_parallel
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer channel (nccl: master address/port, rank_offset 1,
+        world size; ipc: nothing). Blocks until the trainer side has joined too (nccl)."""
+        self._llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weight_transfer(self, update_info: dict[str, Any], version: int) -> int:
+        """One weight update over the channel: the trainer sends at the same time (nccl broadcast) or
+        passes IPC handles in `update_info` (ipc). Same sleep rules as `update_weights`."""
+        self._state.check_update()
+        start = getattr(self._llm, "start_weight_update", None)  # the four-phase API of later releases
+        if start is not None:
+            start(is_checkpoint_format=True)
+        self._llm.update_weights({"update_info": update_info})
+        finish = getattr(self._llm, "finish_weight_update", None)
+        if finish is not None:
+            finish()
+        if self._state.fully_awake:
+            self._llm.reset_prefix_cache()
+        self._state.weights_valid = True
+        self._version = int(version)
+        return len(update_info.get("names", ()))
 
     def load_report(self) -> base.EngineLoad:
         return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)

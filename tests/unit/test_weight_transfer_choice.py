@@ -1,0 +1,98 @@
+"""Which weight path each engine gets (`weight_sync.choose_weight_transfer`), for a vLLM that has or
+lacks the weight-transfer API, modelled as plain data (`VLLMWeightTransferAPI`), not a mocked vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from rljob_trainer import weight_sync as ws
+
+NEW = ws.VLLMWeightTransferAPI("0.22.1", frozenset({"nccl", "ipc"}), static_trainer=True)
+NCCL_ONLY = ws.VLLMWeightTransferAPI("0.17.0", frozenset({"nccl"}), static_trainer=True)
+NO_API = ws.VLLMWeightTransferAPI("0.11.0")
+FACTORY_ONLY = ws.VLLMWeightTransferAPI("0.29.0", frozenset({"nccl", "ipc"}), static_trainer=False)
+
+
+def _choose(colocated: bool, vllm: ws.VLLMWeightTransferAPI | None, **kw: object) -> ws.WeightTransferChoice:
+    args = {"engine_kind": "vllm", "weight_sync": "collective", "device_type": "cuda", "ray": True}
+    args.update(kw)
+    return ws.choose_weight_transfer(colocated=colocated, vllm=vllm, **args)  # type: ignore[arg-type]
+
+
+def test_vllm_with_the_api_uses_nccl_for_dedicated_and_ipc_for_colocated_engines() -> None:
+    dedicated, colocated = _choose(False, NEW), _choose(True, NEW)
+    assert (dedicated.path, dedicated.backend) == (ws.PATH_VLLM_NATIVE, "nccl")
+    assert (colocated.path, colocated.backend) == (ws.PATH_VLLM_NATIVE, "ipc")
+    assert "0.22.1" in dedicated.reason and "dedicated" in dedicated.reason
+
+
+@pytest.mark.parametrize(
+    ("vllm", "colocated", "reason"),
+    [
+        (None, False, "not installed"),
+        (NO_API, False, "no WeightTransferConfig"),
+        (NCCL_ONLY, True, "no 'ipc' backend"),
+        (FACTORY_ONLY, False, "does not speak"),
+    ],
+)
+def test_without_a_usable_api_vllm_engines_keep_the_collective_rpc_path(
+    vllm: ws.VLLMWeightTransferAPI | None, colocated: bool, reason: str
+) -> None:
+    choice = _choose(colocated, vllm)
+    assert choice.path == ws.PATH_COLLECTIVE_RPC and reason in choice.reason
+
+
+def test_an_nccl_only_vllm_still_gives_dedicated_engines_nccl() -> None:
+    assert _choose(False, NCCL_ONLY).backend == "nccl"
+
+
+def test_object_store_setting_and_local_mode_keep_vllm_on_collective_rpc() -> None:
+    assert _choose(False, NEW, weight_sync="object-store").path == ws.PATH_COLLECTIVE_RPC
+    assert _choose(True, NEW, ray=False).path == ws.PATH_COLLECTIVE_RPC
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda", "nccl"), ("npu", "hccl")])
+def test_transformers_engines_use_our_group_on_ray_and_the_object_store_in_process(
+    device: str, backend: str
+) -> None:
+    on_ray = _choose(False, NEW, engine_kind="transformers", device_type=device)
+    assert (on_ray.path, on_ray.backend) == (ws.PATH_COLLECTIVE, backend)
+    local = _choose(False, NEW, engine_kind="transformers", device_type=device, ray=False)
+    assert local.path == ws.PATH_OBJECT_STORE
+
+
+def test_detection_without_vllm_installed_is_none() -> None:
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert ws.detect_vllm_weight_transfer() is None
+    else:  # a machine with vLLM: the probe reports its version and what it found
+        api = ws.detect_vllm_weight_transfer()
+        assert api is not None and api.backends <= {"nccl", "ipc"}
+
+
+@pytest.mark.parametrize(
+    ("model", "rollout", "message"),
+    [
+        ({"finetune": "full"}, {"kind": "transformers"}, "rollout.engineLora needs model.finetune: lora"),
+        ({"finetune": "lora"}, {"kind": "vllm"}, "transformers engine only"),
+    ],
+)
+def test_engine_lora_without_an_adapter_or_on_vllm_is_refused_naming_the_field(
+    model: dict[str, str], rollout: dict[str, str], message: str
+) -> None:
+    from rljob_trainer import config, modeling
+
+    tiny = {
+        "name": "m",
+        "source": "tiny",
+        "hfConfig": modeling.tiny_hf_config(32),
+        "tokenizer": "builtin-digits",
+    }
+    doc = {
+        "model": {**tiny, **model},
+        "rollout": {"engineLora": True, **rollout},
+    }
+    with pytest.raises(ValueError, match=message):
+        config.parse_config(doc)
