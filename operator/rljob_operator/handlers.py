@@ -151,6 +151,10 @@ async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
             state.resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await state.resync
+        # Events still being posted are dropped (they are rate-limited news, not state).
+        for task in list(state.posting):
+            task.cancel()
+        await asyncio.gather(*state.posting, return_exceptions=True)
         state.kube.close()
 
 

@@ -52,6 +52,8 @@ class PriorityPool:
     def __init__(self, threads: int, name: str = "rljob-api") -> None:
         self._queue: queue.PriorityQueue[tuple[float, float, Any, Any]] = queue.PriorityQueue()
         self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
@@ -59,8 +61,13 @@ class PriorityPool:
             thread.start()
 
     def submit(self, priority: int, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Queue `fn`; after `shutdown` this raises, as ThreadPoolExecutor does, since no thread
+        would ever run it (a caller awaiting it would hang, and the operator with it)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._queue.put((priority, next(self._order), fn, future))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new API calls after the pool shut down")
+            self._queue.put((priority, next(self._order), fn, future))
         return future
 
     def _work(self) -> None:
@@ -76,8 +83,11 @@ class PriorityPool:
                 future.set_exception(exc)
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(self._STOP)
+        """Stop the threads once the calls queued so far have run; later `submit`s raise."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(self._STOP)
 
 
 class Kube:

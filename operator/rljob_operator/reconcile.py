@@ -291,6 +291,11 @@ def decide_restart(
     )
 
 
+#: The resolution of the times a reconcile writes and compares (`now` is truncated to the second,
+#: as RFC 3339 times in the status are).
+TIMESTAMP_RESOLUTION_S = 1.0
+
+
 def restart_wait_s(
     restarting_since: datetime | None,
     disruption: bool,
@@ -298,10 +303,15 @@ def restart_wait_s(
     policy: api.RestartPolicySpec,
     now: datetime,
 ) -> float:
-    """Seconds left of the backoff before the pods of a pending restart may be created (0: now)."""
+    """Seconds left of the backoff before the pods of a pending restart may be created (0: now).
+
+    Status times are whole seconds (`restarting_since` and `now` alike): a failure recorded at
+    second S happened within [S, S+1), so the backoff is counted from S+1 and is never shorter than
+    the spec says (at most a second longer)."""
     if restarting_since is None or disruption:
         return 0.0
-    return max(0.0, restarting_since.timestamp() + backoff_s(failures, policy) - now.timestamp())
+    ends = restarting_since.timestamp() + TIMESTAMP_RESOLUTION_S + backoff_s(failures, policy)
+    return max(0.0, ends - now.timestamp())
 
 
 # ---- pod diff ------------------------------------------------------------------------------------

@@ -48,3 +48,14 @@ def test_events_go_last_and_rljob_status_writes_after_the_work() -> None:
     assert kube.priority_of("patch", "RLJob") == kube.PRIORITY_STATUS
     for verb, kind in [("create", "Pod"), ("delete", "Pod"), ("create", "ServiceAccount"), ("get", "RLJob")]:
         assert kube.priority_of(verb, kind) == kube.PRIORITY_WORK
+
+
+def test_a_call_after_shutdown_raises_instead_of_waiting_forever() -> None:
+    """An operator stopping with a reconcile or Event post still running must not hang on a call
+    no thread will ever run (what made kopf's runner time out: "The operator didn't stop")."""
+    pool = kube.PriorityPool(1)
+    queued = pool.submit(kube.PRIORITY_WORK, lambda: "queued before")
+    pool.shutdown()
+    assert queued.result(timeout=5) == "queued before"
+    with pytest.raises(RuntimeError, match="after the pool shut down"):
+        pool.submit(kube.PRIORITY_EVENT, lambda: None)

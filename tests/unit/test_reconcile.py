@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -355,3 +356,17 @@ def test_observe_pod_reads_the_creation_time() -> None:
     pod = {**pod, "metadata": {**pod["metadata"], "creationTimestamp": "2026-01-01T00:00:10Z"}}
     o = reconcile.observe_pod(pod)
     assert o is not None and o.created == 1767225610.0
+
+
+def test_a_restart_backoff_counts_from_the_end_of_the_recorded_second() -> None:
+    """The failure is recorded at whole second S (it happened within [S, S+1)): a 10 s backoff
+    ends at S+11 at the latest, never before S+1+10, so it is never shorter than the spec says."""
+    since = datetime(2026, 12, 1, 10, 0, 0, tzinfo=timezone.utc)
+
+    def at(s: float) -> datetime:
+        return since + timedelta(seconds=s)
+
+    assert reconcile.restart_wait_s(since, False, 1, RP, at(0)) == 11.0
+    assert reconcile.restart_wait_s(since, False, 1, RP, at(10)) == 1.0
+    assert reconcile.restart_wait_s(since, False, 1, RP, at(11)) == 0.0
+    assert reconcile.restart_wait_s(since, True, 1, RP, at(0)) == 0.0  # a disruption: at once
