@@ -470,7 +470,8 @@ def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
                 return wl if fresh else None
 
             wl = wait_for("the Workload rebuilt for the new spec", rebuilt, 90)
-            assert max(live_counts) <= 3, "a pod the old admission does not cover was created"
+            # (empty when the rebuild was done before the first look)
+            assert max(live_counts, default=0) <= 3, "a pod the old admission does not cover was created"
             assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [
                 ("trainer", 2),
                 ("rollout", 2),
