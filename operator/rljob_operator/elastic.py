@@ -28,7 +28,8 @@ nothing here: the pod diff recreates a missing name.
 Replacement backoff. A rollout pod that keeps losing its engine (a crash loop: bad image, an
 engine that dies at start) must not be recreated in a tight loop. Each index counts its losses in
 a row (`status.rollout.replacementBackoff`, so an operator restart keeps them); the first
-replacement is created at once, the n-th waits `reconcile.backoff_s(n - 1, spec.restartPolicy)`
+replacement is created at once, the n-th waits `reconcile.backoff_s(n - 1, spec.restartPolicy)` (from
+the end of the second the loss was seen in, `reconcile.backoff_ends`)
 (initialBackoffSeconds doubling up to maxBackoffSeconds, the gang's own settings, its own count).
 The count resets once the pod has run for `BACKOFF_RESET_FACTOR` × maxBackoffSeconds (the
 kubelet's CrashLoopBackOff resets after 10 minutes with its 5-minute cap).
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from rljob_operator import api, names, reconcile
 from rljob_operator.reconcile import PodObservation
@@ -182,7 +183,7 @@ def plan_rollout_pods(
             why = _lost_why(pod, reports, node_names)
             if why:
                 count = (record.replacements if record is not None else 0) + 1
-                not_before = now + timedelta(seconds=reconcile.backoff_s(count - 1, policy))
+                not_before = reconcile.backoff_ends(now, reconcile.backoff_s(count - 1, policy))
                 records[pod.index] = api.ReplacementBackoff(
                     index=pod.index, attempt=attempt, replacements=count, not_before=not_before
                 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from rljob_operator import api, errors, names
@@ -296,6 +296,17 @@ def decide_restart(
 TIMESTAMP_RESOLUTION_S = 1.0
 
 
+def backoff_ends(recorded: datetime, backoff: float) -> datetime:
+    """When a backoff of `backoff` seconds from an event recorded at `recorded` ends.
+
+    Status times are whole seconds (`now` is truncated too): an event recorded at second S happened
+    within [S, S+1), so a backoff counts from S+1 and is never shorter than the spec says (at most a
+    second longer). No backoff is no wait."""
+    if backoff <= 0:
+        return recorded
+    return recorded + timedelta(seconds=TIMESTAMP_RESOLUTION_S + backoff)
+
+
 def restart_wait_s(
     restarting_since: datetime | None,
     disruption: bool,
@@ -303,15 +314,12 @@ def restart_wait_s(
     policy: api.RestartPolicySpec,
     now: datetime,
 ) -> float:
-    """Seconds left of the backoff before the pods of a pending restart may be created (0: now).
-
-    Status times are whole seconds (`restarting_since` and `now` alike): a failure recorded at
-    second S happened within [S, S+1), so the backoff is counted from S+1 and is never shorter than
-    the spec says (at most a second longer)."""
+    """Seconds left of the backoff before the pods of a pending restart may be created (0: now);
+    counted as `backoff_ends` says."""
     if restarting_since is None or disruption:
         return 0.0
-    ends = restarting_since.timestamp() + TIMESTAMP_RESOLUTION_S + backoff_s(failures, policy)
-    return max(0.0, ends - now.timestamp())
+    ends = backoff_ends(restarting_since, backoff_s(failures, policy))
+    return max(0.0, ends.timestamp() - now.timestamp())
 
 
 # ---- pod diff ------------------------------------------------------------------------------------

@@ -152,8 +152,10 @@ def backoffs(out: elastic.RolloutPodsPlan) -> list[tuple[int, int, float]]:
 
 
 def test_a_crash_looping_rollout_pod_waits_a_growing_backoff() -> None:
-    """First loss: replaced at once; each loss in a row after it doubles the wait (10, 20, 40, 40 s);
-    the pod's name stays free (held) until its backoff ends; other indices are not affected."""
+    """First loss: replaced at once; each loss in a row after it doubles the wait (10, 20, 40, 40 s,
+    counted from the end of the second the loss was seen in: `now` is whole seconds, so the wait is
+    never shorter than the spec); the pod's name stays free (held) until its backoff ends; other
+    indices are not affected."""
     failed = pod(0, "Failed", exit_code=1)
     first = plan([failed, pod(1)], target=2, restart_policy=POLICY)
     assert [r.name for r in first.replace] == ["demo-rollout-0"] and first.replace[0].replacements == 1
@@ -167,11 +169,11 @@ def test_a_crash_looping_rollout_pod_waits_a_growing_backoff() -> None:
         assert again.hold == (0,) and again.retry_s == waits[-1]
         assert again.replace[0].not_before == b.not_before and again.replace[0].replacements == b.replacements
         record = list(again.backoff)
-    assert waits == [10, 20, 40, 40]
+    assert waits == [11, 21, 41, 41]
     # while the backoff runs, the missing pod is held; once it ends, the pod diff creates it
-    gone = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=39))
+    gone = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=40))
     assert gone.hold == (0,) and gone.retry_s == 1 and gone.backoff == tuple(record)
-    due = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=40))
+    due = plan([pod(1)], target=2, backoff=record, restart_policy=POLICY, now=T0 + timedelta(seconds=41))
     assert due.hold == () and due.retry_s is None and due.backoff == tuple(record)
 
 
