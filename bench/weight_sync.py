@@ -87,13 +87,12 @@ def checksum(model: torch.nn.Module) -> float:
         return float(sum(t.double().sum() + t.double().abs().sum() for t in model.state_dict().values()))
 
 
-@ray.remote
-class BenchLoraEngine:
-    """An engine serving the LoRA adapter itself: the same base, the adapter loaded in place."""
+class GroupReceiver:
+    """What both bench engines share: a model loaded in place from a weight group it joins."""
 
-    def __init__(self, config: transformers.Qwen2Config) -> None:
-        self.model = lora_wrap(build_model(config, seed=1))
-        self.load = weight_sync.peft_adapter_loader(self.model)
+    def __init__(self, model: torch.nn.Module, load: Any) -> None:
+        self.model = model
+        self.load = load
         self.group: weight_sync.WeightGroup | None = None
 
     def join(self, address: weight_sync.GroupAddress) -> None:
@@ -102,6 +101,15 @@ class BenchLoraEngine:
     def receive(self) -> int:
         assert self.group is not None
         return weight_sync.receive_weights(self.group, self.load).version
+
+
+@ray.remote
+class BenchLoraEngine(GroupReceiver):
+    """An engine serving the LoRA adapter itself: the same base, the adapter loaded in place."""
+
+    def __init__(self, config: transformers.Qwen2Config) -> None:
+        model = lora_wrap(build_model(config, seed=1))
+        super().__init__(model, weight_sync.peft_adapter_loader(model))
 
     def adapter_checksum(self) -> float:
         from peft import get_peft_model_state_dict
@@ -168,13 +176,12 @@ def run_lora(
 
 
 @ray.remote
-class BenchEngine:
+class BenchEngine(GroupReceiver):
     """A rollout-engine stand-in: a model updated in place by either path; measures its own memory."""
 
     def __init__(self, config: transformers.Qwen2Config) -> None:
-        self.model = build_model(config, seed=2)
-        self.load = weight_sync.module_loader(self.model)
-        self.group: weight_sync.WeightGroup | None = None
+        model = build_model(config, seed=2)
+        super().__init__(model, weight_sync.module_loader(model))
         self.baseline = 0
 
     def reset_peak(self) -> None:
@@ -187,13 +194,6 @@ class BenchEngine:
         # The object-store path: the argument arrives as a whole deserialised dict.
         self.load(list(named.items()))
         return len(named)
-
-    def join(self, address: weight_sync.GroupAddress) -> None:
-        self.group = weight_sync.open_group(address, 1)
-
-    def receive(self) -> int:
-        assert self.group is not None
-        return weight_sync.receive_weights(self.group, self.load).version
 
     def checksum(self) -> float:
         return checksum(self.model)
