@@ -11,7 +11,6 @@ names, `base_model.model.<module>.lora_A.weight`). vLLM's public API takes an ad
 - `AdapterStore`: one engine's adapter versions under /dev/shm (tmpfs: nothing touches a disk; a
   temp dir where there is none), each with a new `lora_int_id`; the previous version's directory is
   deleted once the engine has swapped adapters.
-- `vllm_max_lora_rank`: vLLM accepts only some `max_lora_rank` values (`vllm.config.lora.MaxLoRARanks`).
 Callers: `engines.vllm_engine`, tests.
 """
 
@@ -33,21 +32,6 @@ from rljob_trainer import config as config_mod
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved-adapter names start here (vLLM strips it too)
-
-# vLLM's LoRAConfig.max_lora_rank is a Literal of these (vllm/config/lora.py, `MaxLoRARanks`); any
-# other value is refused when the engine is built, so the trainer's rank is rounded up to one.
-VLLM_MAX_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of rank `rank`."""
-    for allowed in VLLM_MAX_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise ValueError(
-        f"model.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}; "
-        "lower model.lora.rank or set rollout.engineLora to false (vLLM then takes the merged model)"
-    )
 
 
 def adapted_modules(names: Iterable[str]) -> list[str]:
