@@ -19,17 +19,18 @@ With `rollout.engineLora` (model.finetune lora) the engine serves base + the tra
 vLLM serves LoRA: it is built with `enable_lora=True`, `max_loras=1` and `max_lora_rank` the
 trainer's rank rounded up to a value vLLM accepts (`config.vllm_max_lora_rank`); the base loads
 from its path as without LoRA. A sync then sends only the adapter tensors
-(`weight_sync.PATH_VLLM_LORA`: PEFT saved-adapter names, through the object store: a few MB, never
-vLLM's weight-transfer API, which moves full weights). `update_weights` writes them as a PEFT adapter
-directory under /dev/shm (`lora_adapter.AdapterStore`), adds it as a new adapter
+(`weight_sync.PATH_VLLM_LORA`: PEFT saved-adapter names, through the object store, a small fraction
+of the model; never vLLM's weight-transfer API, which moves full weights). `update_weights` writes
+them as a PEFT adapter directory under /dev/shm (`lora_adapter.AdapterStore`), adds it as a new adapter
 (`LoRARequest(name, new lora_int_id, path)`, `llm.llm_engine.add_lora`), removes the previous one
 (`remove_lora`) and deletes its directory, and resets the prefix cache; `generate` passes
 `lora_request=` for the current adapter (none before the first sync: the trainer's adapter starts
 with B = 0, so the base is the policy). Level-2 sleep is refused for such an engine (config load
 refuses it first): vLLM's level 2 discards the base weights, and reloading them into a LoRA-enabled
-vLLM is not plain `load_weights` (vLLM wraps every LoRA-capable linear layer, so its base parameters
-are named `<module>.base_layer.weight`, model by model; whether the adapter slots survive is not
-documented either), so rljob keeps level 1, which offloads and restores both.
+vLLM is not plain `load_weights`: vLLM wraps every LoRA-capable linear layer, so their base
+parameters are named `<module>.base_layer.weight` (verl renames them model by model before
+`load_weights`, its `replace_lora_wrapper`), and vLLM does not document whether the adapter slots
+survive level 2. Level 1 keeps the weights in host memory and restores them, so rljob requires it.
 
 NOT RUN in this repository's tests: there is no GPU and no vLLM here. The calls follow vLLM's public
 API (LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache,
@@ -254,7 +255,8 @@ class VLLMEngine(base.RolloutEngine):
         if not tensors:  # nothing new (a version bump only)
             self._version = new_version
             return 0
-        assert self._adapters is not None, "load() builds the adapter store"
+        if self._adapters is None:
+            raise RuntimeError(f"engine {self.name}: load() has not been called")
         adapter = self._adapters.write(tensors, self._cfg.model, new_version)  # refuses base tensors
         from vllm.lora.request import LoRARequest
 
