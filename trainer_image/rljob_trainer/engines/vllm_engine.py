@@ -9,7 +9,7 @@ sampler drew from). The rules are `base.SleepState`, shared with the CPU engine.
 lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
 inside a Ray actor on an accelerator pod.
 
-Weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
+Full weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
 installed vLLM has (`weight_sync.detect_vllm_weight_transfer`): vLLM's own weight-transfer API
 (`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for a colocated one; the
 trainer broadcasts, `receive_weight_transfer` runs start/update/finish_weight_update), or, without
