@@ -72,27 +72,93 @@ def test_detection_without_vllm_installed_is_none() -> None:
         assert api is not None and api.backends <= {"nccl", "ipc"}
 
 
-@pytest.mark.parametrize(
-    ("model", "rollout", "message"),
-    [
-        ({"finetune": "full"}, {"kind": "transformers"}, "rollout.engineLora needs model.finetune: lora"),
-        ({"finetune": "lora"}, {"kind": "vllm"}, "transformers engine only"),
-    ],
-)
-def test_engine_lora_without_an_adapter_or_on_vllm_is_refused_naming_the_field(
-    model: dict[str, str], rollout: dict[str, str], message: str
-) -> None:
-    from rljob_trainer import config, modeling
+def _tiny_model(**over: object) -> dict[str, object]:
+    from rljob_trainer import modeling
 
-    tiny = {
+    return {
         "name": "m",
         "source": "tiny",
         "hfConfig": modeling.tiny_hf_config(32),
         "tokenizer": "builtin-digits",
+        **over,
     }
-    doc = {
-        "model": {**tiny, **model},
-        "rollout": {"engineLora": True, **rollout},
-    }
+
+
+@pytest.mark.parametrize(
+    ("model", "rollout", "message"),
+    [
+        ({"finetune": "full"}, {"kind": "transformers"}, "rollout.engineLora needs model.finetune: lora"),
+        # vLLM engines serving LoRA: level 2 would discard a base rljob cannot reload into LoRA layers
+        ({"finetune": "lora"}, {"kind": "vllm", "sharedEngines": 1}, "needs rollout.sleepLevel 1"),
+        (
+            {"finetune": "lora", "lora": {"rank": 600}},
+            {"kind": "vllm", "sharedEngines": 0, "dedicatedEngines": 1},
+            "model.lora.rank 600 is above vLLM's largest max_lora_rank 512",
+        ),
+    ],
+)
+def test_engine_lora_the_engines_cannot_serve_is_refused_naming_the_field(
+    model: dict[str, object], rollout: dict[str, object], message: str
+) -> None:
+    from rljob_trainer import config
+
+    doc = {"model": _tiny_model(**model), "rollout": {"engineLora": True, **rollout}}
     with pytest.raises(ValueError, match=message):
         config.parse_config(doc)
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [
+        {"sharedEngines": 1, "sleepLevel": 1},  # level 1 keeps the base (offloaded, restored)
+        {"sharedEngines": 1, "enableSleepMode": False},  # shared engines that never sleep
+        {"sharedEngines": 0, "dedicatedEngines": 2},  # dedicated engines never sleep
+    ],
+)
+def test_vllm_engines_may_serve_lora_when_their_base_is_never_discarded(rollout: dict[str, object]) -> None:
+    from rljob_trainer import config
+
+    cfg = config.parse_config(
+        {"model": _tiny_model(finetune="lora"), "rollout": {"kind": "vllm", "engineLora": True, **rollout}}
+    )
+    assert cfg.rollout.engine_lora and cfg.rollout.kind == "vllm"
+
+
+@pytest.mark.parametrize(("rank", "slot"), [(1, 1), (2, 8), (4, 8), (8, 8), (9, 16), (300, 320), (512, 512)])
+def test_a_vllm_lora_engine_gets_the_smallest_max_lora_rank_vllm_accepts(rank: int, slot: int) -> None:
+    from rljob_trainer import config
+    from rljob_trainer.engines import vllm_engine
+
+    cfg = config.parse_config(
+        {
+            "model": _tiny_model(finetune="lora", lora={"rank": rank}),
+            "rollout": {"kind": "vllm", "engineLora": True, "sharedEngines": 0, "dedicatedEngines": 1},
+        }
+    )
+    assert vllm_engine.lora_engine_args(cfg) == {"enable_lora": True, "max_lora_rank": slot, "max_loras": 1}
+    assert slot in config.VLLM_MAX_LORA_RANKS
+    assert (
+        vllm_engine.lora_engine_args(
+            cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine_lora": False})})
+        )
+        == {}
+    )
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+@pytest.mark.parametrize("vllm", [NEW, NCCL_ONLY, NO_API, FACTORY_ONLY, None])
+def test_a_vllm_engine_serving_lora_takes_the_adapter_path_over_vllms_full_weight_transfer(
+    colocated: bool, vllm: ws.VLLMWeightTransferAPI | None
+) -> None:
+    choice = _choose(colocated, vllm, engine_lora=True)
+    assert (choice.path, choice.backend) == (ws.PATH_VLLM_LORA, "object-store")
+    assert "engineLora" in choice.reason
+    assert _choose(colocated, vllm).path != ws.PATH_VLLM_LORA  # without engineLora: full weights
+
+
+def test_transformers_engines_serving_lora_keep_their_group_or_object_store() -> None:
+    assert _choose(False, None, engine_kind="transformers", engine_lora=True).path == ws.PATH_COLLECTIVE
+    assert (
+        _choose(False, None, engine_kind="transformers", engine_lora=True, ray=False).path
+        == ws.PATH_OBJECT_STORE
+    )

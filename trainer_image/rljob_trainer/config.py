@@ -252,7 +252,8 @@ class RolloutSettings(_Model):
         False,
         description="With model.finetune lora: the engines serve the LoRA adapter on top of the base model "
         "themselves, so a weight sync sends only the adapter tensors (the base once more after a level-2 "
-        "sleep). Transformers engines only for now; not in the RLJob spec yet.",
+        "sleep on transformers engines; vLLM engines serving LoRA need sleepLevel 1). Not in the RLJob "
+        "spec yet.",
     )
 
     @model_validator(mode="after")
@@ -427,11 +428,7 @@ class TrainerConfig(_Model):
                 "rollout.engineLora needs model.finetune: lora (there is no adapter to send); "
                 "set model.finetune to lora or rollout.engineLora to false"
             )
-        if self.rollout.engine_lora and self.rollout.kind != "transformers":
-            raise ValueError(
-                "rollout.engineLora is built for the transformers engine only; vLLM engines take the "
-                "merged model (set rollout.engineLora to false)"
-            )
+        self._engine_lora_on_vllm()
         samples = self.grpo.group_size * self.grpo.prompts_per_step
         if samples % self.grpo.mini_batches_per_step:
             raise ValueError(
@@ -440,9 +437,41 @@ class TrainerConfig(_Model):
             )
         return self
 
+    def _engine_lora_on_vllm(self) -> None:
+        """vLLM engines serving LoRA (engines.vllm_engine): a max_lora_rank vLLM accepts, and no
+        level-2 sleep of shared engines (it discards the base, which rljob cannot reload into vLLM's
+        LoRA-wrapped layers; level 1 keeps it)."""
+        r = self.rollout
+        if not (r.engine_lora and r.kind == "vllm"):
+            return
+        vllm_max_lora_rank(self.model.lora.rank)  # raises naming the field and the fix
+        if r.shared_engines and r.enable_sleep_mode and r.sleep_level == 2:
+            raise ValueError(
+                "rollout.engineLora with vLLM engines needs rollout.sleepLevel 1 for shared engines: "
+                "level 2 discards the base weights, and rljob cannot reload them into vLLM's LoRA layers "
+                "(set rollout.sleepLevel to 1, or rollout.enableSleepMode or rollout.engineLora to false)"
+            )
+
     @property
     def samples_per_step(self) -> int:
         return self.grpo.group_size * self.grpo.prompts_per_step
+
+
+# vLLM's LoRAConfig.max_lora_rank is a Literal of these (vllm/config/lora.py, `MaxLoRARanks`); any
+# other value is refused when the engine is built, so the trainer's rank is rounded up to one.
+VLLM_MAX_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of rank `rank` (an adapter of a
+    smaller rank fits a larger slot)."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(
+        f"model.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}; "
+        "lower model.lora.rank or set rollout.engineLora to false (vLLM then takes the merged model)"
+    )
 
 
 def cpu_standin(config: TrainerConfig) -> TrainerConfig:

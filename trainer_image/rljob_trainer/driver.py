@@ -220,6 +220,7 @@ class GRPODriver:
             device_type=device,
             ray=isinstance(self.rt, runtimes.RayRuntime),
             vllm=self._vllm_api,
+            engine_lora=self.cfg.rollout.engine_lora,
         )
 
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:

@@ -140,17 +140,23 @@ def apply_finetune_mode(model: PreTrainedModel, settings: config_mod.ModelSettin
     if settings.finetune == "full":
         model.requires_grad_(True)
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_lora_config(settings))
+
+
+def peft_lora_config(settings: config_mod.ModelSettings) -> Any:
+    """The trainer's `peft.LoraConfig` (also what `lora_adapter.write_peft_adapter` saves for vLLM)."""
+    from peft import LoraConfig
 
     lora = settings.lora
-    peft_cfg = LoraConfig(
+    return LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_cfg)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

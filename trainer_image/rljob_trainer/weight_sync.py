@@ -170,6 +170,10 @@ PATH_VLLM_NATIVE = "vllm-native"  # vLLM's WeightTransferConfig backend (nccl de
 PATH_COLLECTIVE = "collective"  # our bucketed broadcast over one torch.distributed group per engine
 PATH_COLLECTIVE_RPC = "collective-rpc"  # whole-model dict via the object store, loaded by collective_rpc
 PATH_OBJECT_STORE = "object-store"  # whole-model dict via the object store (named fallback)
+# rollout.engineLora on vLLM: only the adapter (SEND_ADAPTER), through the object store, written as a
+# PEFT adapter directory and added with vLLM's add_lora (engines.vllm_engine). It wins over
+# PATH_VLLM_NATIVE, which moves full weights into the model (`load_weights`), never an adapter.
+PATH_VLLM_LORA = "vllm-lora-adapter"
 
 
 @dataclass(frozen=True)
@@ -202,11 +206,21 @@ def choose_weight_transfer(
     device_type: str,
     ray: bool,
     vllm: VLLMWeightTransferAPI | None,
+    engine_lora: bool = False,
 ) -> WeightTransferChoice:
-    """The weight path of one engine. vLLM engines: vLLM's own API where the installed vLLM has the
+    """The weight path of one engine. vLLM engines serving LoRA (rollout.engineLora): the adapter
+    path, whatever vLLM offers. Other vLLM engines: vLLM's own API where the installed vLLM has the
     backend (nccl for a dedicated engine, ipc for a colocated one) and rljob can drive its sender,
     else the collective_rpc path. Transformers engines: our collective (rollout.weightSync
-    collective, Ray runtime), else the object store."""
+    collective, Ray runtime), else the object store (with LoRA or without: they load adapter
+    tensors from either)."""
+    if engine_kind == "vllm" and engine_lora:
+        return WeightTransferChoice(
+            PATH_VLLM_LORA,
+            "object-store",
+            "rollout.engineLora: only the LoRA adapter, added to vLLM as a new adapter per version "
+            "(vLLM's weight-transfer API moves full weights)",
+        )
     if engine_kind == "vllm":
         wanted = "ipc" if colocated else "nccl"
         if vllm is None:

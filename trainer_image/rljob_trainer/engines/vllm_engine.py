@@ -9,15 +9,36 @@ sampler drew from). The rules are `base.SleepState`, shared with the CPU engine.
 lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
 inside a Ray actor on an accelerator pod.
 
-Weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
+Full weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
 installed vLLM has (`weight_sync.detect_vllm_weight_transfer`): vLLM's own weight-transfer API
 (`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for a colocated one; the
 trainer broadcasts, `receive_weight_transfer` runs start/update/finish_weight_update), or, without
 it, `update_weights` (a whole-model dict through the object store, loaded by `collective_rpc`).
 
-NOT RUN in this repository's tests: there is no GPU here. The calls follow vLLM's public API
-(LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache,
-init_weight_transfer_engine/update_weights as in vLLM's examples/rl/rlhf_nccl.py, commit 3a383407).
+With `rollout.engineLora` (model.finetune lora) the engine serves base + the trainer's adapter, as
+vLLM serves LoRA: it is built with `enable_lora=True`, `max_loras=1` and `max_lora_rank` the
+trainer's rank rounded up to a value vLLM accepts (`config.vllm_max_lora_rank`); the base loads
+from its path as without LoRA. A sync then sends only the adapter tensors
+(`weight_sync.PATH_VLLM_LORA`: PEFT saved-adapter names, through the object store, a small fraction
+of the model; never vLLM's weight-transfer API, which moves full weights). `update_weights` writes
+them as a PEFT adapter directory under /dev/shm (`lora_adapter.AdapterStore`), adds it as a new adapter
+(`LoRARequest(name, new lora_int_id, path)`, `llm.llm_engine.add_lora`), removes the previous one
+(`remove_lora`) and deletes its directory, and resets the prefix cache; `generate` passes
+`lora_request=` for the current adapter (none before the first sync: the trainer's adapter starts
+with B = 0, so the base is the policy). Level-2 sleep is refused for such an engine (config load
+refuses it first): vLLM's level 2 discards the base weights, and reloading them into a LoRA-enabled
+vLLM is not plain `load_weights`: vLLM wraps every LoRA-capable linear layer, so their base
+parameters are named `<module>.base_layer.weight` (verl renames them model by model before
+`load_weights`, its `replace_lora_wrapper`), and vLLM does not document whether the adapter slots
+survive level 2. Level 1 keeps the weights in host memory and restores them, so rljob requires it.
+
+NOT RUN in this repository's tests: there is no GPU and no vLLM here. The calls follow vLLM's public
+API (LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache,
+init_weight_transfer_engine/update_weights as in vLLM's examples/rl/rlhf_nccl.py, commit 3a383407;
+enable_lora/max_lora_rank/max_loras, vllm.lora.request.LoRARequest, LLMEngine.add_lora/remove_lora
+as in vllm/v1/engine/llm_engine.py). What is tested: the adapter directory this engine writes loads
+with real peft onto the base and computes the trainer's logits (tests/integration/
+test_vllm_lora_adapter.py), and the config rules and path choice around it (unit tests).
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rljob_trainer import config as config_mod
+from rljob_trainer import lora_adapter
 from rljob_trainer.engines import base
 
 
@@ -37,6 +59,15 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
     model = worker.model_runner.model
     model.load_weights(weights=iter(weights))
     return len(weights)
+
+
+def lora_engine_args(cfg: config_mod.TrainerConfig) -> dict[str, Any]:
+    """The vllm.LLM arguments of an engine that serves the trainer's LoRA adapter (none without)."""
+    if not cfg.rollout.engine_lora:
+        return {}
+    # One adapter at a time: the policy. vLLM refuses a max_lora_rank outside its list: rounded up.
+    rank = config_mod.vllm_max_lora_rank(cfg.model.lora.rank)
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
 
 
 class VLLMEngine(base.RolloutEngine):
@@ -60,6 +91,9 @@ class VLLMEngine(base.RolloutEngine):
         self._served = 0
         self._tokens = 0
         self._transfer: Any = None  # weight_sync.WeightTransferChoice, decided at load()
+        self.serves_lora = cfg.rollout.engine_lora and cfg.model.finetune == "lora"
+        self._adapters: lora_adapter.AdapterStore | None = None
+        self._adapter: lora_adapter.AdapterVersion | None = None  # what generate() serves
 
     @property
     def weight_transfer(self) -> Any:
@@ -74,6 +108,7 @@ class VLLMEngine(base.RolloutEngine):
                 device_type="cuda",
                 ray=True,
                 vllm=weight_sync.detect_vllm_weight_transfer(),
+                engine_lora=self.serves_lora,
             )
         return self._transfer
 
@@ -113,6 +148,9 @@ class VLLMEngine(base.RolloutEngine):
             from vllm.config import WeightTransferConfig
 
             extra["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_transfer.backend)
+        if self.serves_lora:
+            extra.update(lora_engine_args(self._cfg))
+            self._adapters = lora_adapter.AdapterStore(self.name)
         self._llm = vllm.LLM(
             model=self._resolve_model_path(),
             dtype=self._cfg.model.dtype,
@@ -157,7 +195,15 @@ class VLLMEngine(base.RolloutEngine):
             for s in seeds
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
-        outs = self._llm.generate(prompts, params, use_tqdm=False)
+        lora: dict[str, Any] = {}
+        if self._adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            a = self._adapter
+            lora["lora_request"] = LoRARequest(
+                lora_name=a.name, lora_int_id=a.lora_int_id, lora_path=str(a.path)
+            )
+        outs = self._llm.generate(prompts, params, use_tqdm=False, **lora)
         results = []
         for p, o in zip(prompts_token_ids, outs, strict=True):
             c = o.outputs[0]
@@ -173,6 +219,11 @@ class VLLMEngine(base.RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         if self.is_sleeping:
             return
+        if self.serves_lora and level == 2:  # see the module docstring; config load refuses it first
+            raise base.EngineStateError(
+                f"engine {self.name} serves LoRA on vLLM: sleep level 2 would discard the base weights, "
+                "which rljob cannot reload into vLLM's LoRA layers; use rollout.sleepLevel 1"
+            )
         self._state.on_sleep(level)
         self._llm.sleep(level=level)
 
@@ -188,12 +239,48 @@ class VLLMEngine(base.RolloutEngine):
     ) -> int:
         self._state.check_update()
         weights = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        if self.serves_lora:
+            return self._update_adapter(dict(weights), version)
         self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
         if self._state.fully_awake:
             self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._state.weights_valid = True
         self._version = self._version + 1 if version is None else int(version)
         return len(weights)
+
+    def _update_adapter(self, tensors: dict[str, Any], version: int | None) -> int:
+        """A new adapter version (weight_sync.PATH_VLLM_LORA): written as a PEFT directory, added to
+        vLLM under a new lora_int_id, the old one removed once the new one is in."""
+        new_version = self._version + 1 if version is None else int(version)
+        if not tensors:  # nothing new (a version bump only)
+            self._version = new_version
+            return 0
+        if self._adapters is None:
+            raise RuntimeError(f"engine {self.name}: load() has not been called")
+        adapter = self._adapters.write(tensors, self._cfg.model, new_version)  # refuses base tensors
+        from vllm.lora.request import LoRARequest
+
+        engine = getattr(self._llm, "llm_engine", self._llm)
+        request = LoRARequest(
+            lora_name=adapter.name, lora_int_id=adapter.lora_int_id, lora_path=str(adapter.path)
+        )
+        try:
+            if not engine.add_lora(request):
+                raise RuntimeError(f"engine {self.name}: vLLM did not add LoRA adapter {adapter.name}")
+        except BaseException:
+            self._adapters.retire(adapter)  # the previous adapter stays current
+            raise
+        previous, self._adapter = self._adapter, adapter
+        if previous is not None:
+            remove = getattr(engine, "remove_lora", None)
+            if remove is not None:
+                remove(previous.lora_int_id)
+            self._adapters.retire(previous)
+        if self._state.fully_awake:
+            self._llm.reset_prefix_cache()  # as after new weights (wake() resets it otherwise)
+        self._state.weights_valid = True
+        self._version = new_version
+        return len(tensors)
 
     # ---- vLLM's weight-transfer API (weight_sync.PATH_VLLM_NATIVE) ---------------------------------
     def world_size(self) -> int:
@@ -208,6 +295,10 @@ class VLLMEngine(base.RolloutEngine):
     def receive_weight_transfer(self, update_info: dict[str, Any], version: int) -> int:
         """One weight update over the channel: the trainer sends at the same time (nccl broadcast) or
         passes IPC handles in `update_info` (ipc). Same sleep rules as `update_weights`."""
+        if self.serves_lora:  # weight_sync.choose_weight_transfer never picks this path for LoRA
+            raise base.EngineStateError(
+                f"engine {self.name} serves LoRA: it takes adapters, not full weights"
+            )
         self._state.check_update()
         start = getattr(self._llm, "start_weight_update", None)  # the four-phase API of later releases
         if start is not None:
