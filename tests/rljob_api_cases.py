@@ -182,6 +182,15 @@ INVALID_CASES: list[InvalidCase] = [
         "longest sample must fit",
     ),
     InvalidCase(
+        "cel-lora-rank-vllm-can-serve",
+        {
+            "spec.resources.accelerator": {"kind": "nvidia", "model": "H100-80GB"},
+            "spec.model.finetune": {"mode": "lora", "lora": {"rank": 513}},
+        },
+        "spec.model.finetune.lora.rank",
+        "cannot be served by vLLM engines",
+    ),
+    InvalidCase(
         "cel-reward-module-required",
         {"spec.reward.functions.0": {"name": "module"}},
         "spec.reward.functions[0].module",

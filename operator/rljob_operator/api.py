@@ -801,6 +801,10 @@ class StaticSplitSpec(_Spec):
 
 
 WeightSyncMode = Literal["collective", "objectStore"]
+LoRASyncMode = Literal["adapter", "merged"]
+#: vLLM's largest max_lora_rank (rljob_trainer.config.VLLM_MAX_LORA_RANKS[-1]): vLLM engines serving the
+#: adapter (loraSync adapter) cannot hold a larger rank.
+VLLM_MAX_LORA_RANK = 512
 
 
 class RolloutSpec(_Spec):
@@ -876,6 +880,13 @@ class RolloutSpec(_Spec):
         description="How new weights reach rollout engines: collective (one torch.distributed group per "
         "engine, bucketed broadcast: gloo on CPU, NCCL on GPU, HCCL on Ascend) or objectStore (the "
         "fallback: one whole-model dict through Ray's object store).",
+    )
+    lora_sync: LoRASyncMode = Field(
+        "adapter",
+        description="With model.finetune.mode lora: adapter (the engines serve the LoRA adapter on the base "
+        "model, vLLM enable_lora, so a weight sync sends only the adapter; engines colocated with training "
+        "then sleep at level 1, keeping the base in host memory) or merged (the engines serve the merged "
+        "model, and every sync sends all weights).",
     )
 
 
@@ -1261,6 +1272,21 @@ class RLJobSpec(_Spec):
                 s.batching.max_tokens_per_micro_batch is None
                 or s.batching.max_tokens_per_micro_batch
                 >= s.lengths.max_prompt_tokens + s.lengths.max_completion_tokens
+            ),
+        ),
+        CelRule(
+            rule="self.resources.accelerator.kind == 'cpu' || self.model.finetune.mode != 'lora' || "
+            "self.resources.rollout.loraSync != 'adapter' || "
+            f"self.model.finetune.lora.rank <= {VLLM_MAX_LORA_RANK}",
+            message=f"spec.model.finetune.lora.rank above {VLLM_MAX_LORA_RANK} cannot be served by vLLM "
+            "engines (vLLM's largest max_lora_rank); lower the rank or set spec.resources.rollout.loraSync "
+            "to merged",
+            field_path=".model.finetune.lora.rank",
+            check=lambda s: (
+                s.resources.accelerator.kind == "cpu"
+                or s.model.finetune.mode != "lora"
+                or s.resources.rollout.lora_sync != "adapter"
+                or s.model.finetune.lora.rank <= VLLM_MAX_LORA_RANK
             ),
         ),
     )

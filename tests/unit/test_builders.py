@@ -342,7 +342,8 @@ def test_pods_tell_ray_start_their_exact_accelerators_and_the_config_places_rank
     assert not any(tc.ENV_TEST_CPU_STANDIN in e for e in envs.values())  # a test-kubelet switch only
     cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
     assert cfg.distributed.accelerator == ray_name and cfg.distributed.trainer_pod_ranks == [4, 1]
-    assert cfg.rollout.kind == "vllm" and cfg.rollout.sleep_level == 2 and cfg.rollout.enable_sleep_mode
+    assert cfg.rollout.kind == "vllm" and cfg.rollout.enable_sleep_mode
+    assert cfg.rollout.engine_lora and cfg.rollout.sleep_level == 1  # LoRA (the default): adapter sync
 
 
 def test_cpu_pods_advertise_no_accelerator() -> None:
@@ -426,6 +427,23 @@ def test_reward_modules_by_import_path_file_configmap_and_pvc() -> None:
     assert volumes["reward-3"]["persistentVolumeClaim"] == {"claimName": "code", "readOnly": True}
     assert mounts["reward-2"] == f"{configmaps.REWARD_MOUNT_DIR}/2"
     assert "reward-0" not in volumes and "reward-1" not in volumes
+
+
+@pytest.mark.parametrize("kind", ["nvidia", "cpu"])
+def test_lora_jobs_sync_only_the_adapter_unless_told_merged(kind: str) -> None:
+    """LoRA (the default mode): engines serve the adapter, and vLLM engines sleep at level 1 (level 2
+    would discard the base they cannot reload); loraSync merged or full fine-tuning: all weights."""
+    accel = {"kind": "cpu"} if kind == "cpu" else {"kind": "nvidia", "model": "H100-80GB"}
+    lora = make_spec(**{"resources.accelerator": accel})
+    cfg = configmaps.render_trainer_config(lora, static_plan(lora), {"model_type": "llama"})
+    assert cfg.model.finetune == "lora" and cfg.rollout.engine_lora
+    assert cfg.rollout.sleep_level == (1 if kind == "nvidia" else 2)
+    merged = make_spec(**{"resources.accelerator": accel, "resources.rollout": {"loraSync": "merged"}})
+    cfg = configmaps.render_trainer_config(merged, static_plan(merged), {"model_type": "llama"})
+    assert not cfg.rollout.engine_lora and cfg.rollout.sleep_level == 2
+    full = make_spec(**{"resources.accelerator": accel, "model.finetune": {"mode": "full"}})
+    cfg = configmaps.render_trainer_config(full, static_plan(full), {"model_type": "llama"})
+    assert not cfg.rollout.engine_lora and cfg.rollout.sleep_level == 2
 
 
 def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis() -> None:

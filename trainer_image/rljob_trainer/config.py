@@ -252,8 +252,9 @@ class RolloutSettings(_Model):
         False,
         description="With model.finetune lora: the engines serve the LoRA adapter on top of the base model "
         "themselves, so a weight sync sends only the adapter tensors (the base once more after a level-2 "
-        "sleep on transformers engines; vLLM engines serving LoRA need sleepLevel 1). Not in the RLJob "
-        "spec yet.",
+        "sleep on transformers engines; vLLM engines serving LoRA need sleepLevel 1). The operator sets "
+        "it from the RLJob's spec.resources.rollout.loraSync (adapter, the default, with model.finetune.mode "
+        "lora).",
     )
 
     @model_validator(mode="after")

@@ -120,10 +120,14 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     max_num_seqs = plan.max_num_seqs or res.rollout.max_num_seqs or 256
     mnbt = plan.max_num_batched_tokens or res.rollout.max_num_batched_tokens or 8192
     gpu = res.accelerator.kind != "cpu"
+    engine_lora = spec.model.finetune.mode == "lora" and res.rollout.lora_sync == "adapter"
     return {
         "kind": "vllm" if gpu else "transformers",
         "enable_sleep_mode": res.rollout.enable_sleep_mode,
-        "sleep_level": 2,
+        # vLLM's level 2 discards the base, which a LoRA-serving vLLM engine cannot reload
+        # (engines.vllm_engine); level 1 keeps it in host memory, as verl does for LoRA.
+        "sleep_level": 1 if engine_lora and gpu else 2,
+        "engine_lora": engine_lora,
         "engine_num_cpus": ACCELERATOR_ACTOR_CPUS if gpu else 1.0,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max(mnbt, max_num_seqs),
