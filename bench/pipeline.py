@@ -6,8 +6,8 @@ and one dedicated transformers engine (one torch thread) as Ray actors in their 
 weights over the engine's gloo group. A tiny Qwen2 built from a config (random weights, nothing
 downloaded) on the toy arithmetic task.
 
-Generation and training are first balanced: short synchronous calibration runs (response caps
-of 16 and 96 tokens, then one at the secant estimate of where generation time equals training
+Generation and training are first balanced: short synchronous calibration runs in local mode (response
+caps of 16 and 96 tokens, then one at the secant estimate of where generation time equals training
 time) set the response cap where both take about as long (the regime where one-step-off overlap
 pays most: perfect overlap gives 2x). The model is deep and thin (8 layers of width 64): a decode
 step pays per-layer overhead for every token while training pays per-token arithmetic, so
@@ -15,6 +15,12 @@ generation can catch up with training at some cap (with 4 wide layers training w
 any cap). Then the synchronous run (maxStaleness 0) and the asynchronous run (maxStaleness 1, truncated IS)
 use that config. Steps/hour is over every step after the first (sum of the driver's step times:
 waiting for rollouts, training and the weight sync), so start-up is not counted.
+
+Overlap needs two free cores: the engine and the training rank each run one thread. On a shared
+machine (other jobs, hypervisor steal) the cores the bench really gets can be fewer, and then
+no pipeline can reach 2x. So the bench measures that too, before the sync run and after the async
+run: `parallel capacity` is how much more one-thread work two processes get done side by side than
+one alone (2.0: two free cores, 1.0: one). The ratio is meaningful against it (printed with it).
 
 Run: `.venv/bin/python bench/pipeline.py [--quick] [--json]`. The last line is exactly
 `pipeline: sync X steps/h, async Y steps/h, ratio R, staleness max K`.
@@ -38,7 +44,9 @@ sys.path.insert(0, str(REPO / "trainer_image"))
 from rljob_trainer import config, modeling  # noqa: E402
 
 
-def make_config(*, steps: int, response_tokens: int, max_staleness: int) -> config.TrainerConfig:
+def make_config(
+    *, steps: int, response_tokens: int, max_staleness: int, launcher: str = "ray"
+) -> config.TrainerConfig:
     grpo: dict[str, Any] = {
         "groupSize": 8,
         "promptsPerStep": 6,
@@ -76,7 +84,7 @@ def make_config(*, steps: int, response_tokens: int, max_staleness: int) -> conf
             "telemetry": {"enabled": False, "prometheusPort": None},
             "distributed": {
                 "numTrainerRanks": 1,
-                "launcher": "ray",
+                "launcher": launcher,
                 "torchThreadsPerRank": 1,
                 "rankNumCpus": 1,
             },
@@ -133,6 +141,33 @@ def balanced_tokens(probes: dict[int, tuple[float, float]]) -> int:
     return max(MIN_TOKENS, min(MAX_TOKENS, round(estimate)))
 
 
+CAPACITY_PROBE = """
+import time, torch
+torch.set_num_threads(1)
+a = torch.randn(96, 96)
+started = time.perf_counter()
+for _ in range(ROUNDS):
+    a = torch.tanh(a @ a)
+print(time.perf_counter() - started)
+"""
+
+
+def parallel_capacity(rounds: int = 20000) -> float:
+    """Work done per second by two one-thread processes side by side over one alone (1.0 to 2.0)."""
+
+    def spawn() -> subprocess.Popen[str]:
+        code = CAPACITY_PROBE.replace("ROUNDS", str(rounds))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+
+    def walls(procs: list[subprocess.Popen[str]]) -> list[float]:
+        return [float(p.communicate()[0]) for p in procs]
+
+    (alone,) = walls([spawn()])
+    together = walls([spawn(), spawn()])
+    return 2 * alone / max(together)
+
+
 def steps_per_hour(rows: list[dict[str, Any]]) -> float:
     timed = rows[1:]  # the first step pays for warm-up
     return 3600.0 * len(timed) / sum(r["step_s"] for r in timed)
@@ -150,7 +185,10 @@ def main() -> None:
         probes: dict[int, tuple[float, float]] = {}
 
         def probe(tokens: int) -> None:
-            rows = run(make_config(steps=3, response_tokens=tokens, max_staleness=0), work, "calibrate")
+            # Local mode (rank and engine in this one process, still one thread each) times generation
+            # and training as the Ray runs do, within noise, without their 25 s of Ray start-up.
+            cfg = make_config(steps=3, response_tokens=tokens, max_staleness=0, launcher="local")
+            rows = run(cfg, work, "calibrate")
             gen = sum(r["generation_s"] for r in rows[1:]) / len(rows[1:])
             train = sum(r["training_s"] for r in rows[1:]) / len(rows[1:])
             probes[tokens] = (gen, train)
@@ -163,8 +201,10 @@ def main() -> None:
             probe(refine)
         tokens = balanced_tokens(probes)
         print(f"calibration: generation and training balance at {tokens} response tokens")
+        capacity = [parallel_capacity()]
         sync = run(make_config(steps=steps, response_tokens=tokens, max_staleness=0), work, "sync")
         async_ = run(make_config(steps=steps, response_tokens=tokens, max_staleness=1), work, "async")
+        capacity.append(parallel_capacity())
     for name, rows in (("sync", sync), ("async", async_)):
         timed = rows[1:]
         print(
@@ -186,7 +226,12 @@ def main() -> None:
         "training_s": sum(r["training_s"] for r in sync[1:]) / len(sync[1:]),
         "is_weight_max": max(r["off_policy/is_weight_max"] for r in async_),
         "truncated_fraction_max": max(r["off_policy/truncated_fraction"] for r in async_),
+        "parallel_capacity": capacity,
     }
+    print(
+        f"parallel capacity: {capacity[0]:.2f} before the sync run, {capacity[1]:.2f} after the async "
+        "run (2.00: two free cores; the ratio cannot exceed it)"
+    )
     if args.json:
         print(json.dumps(figures))
     print(
