@@ -85,7 +85,9 @@ async def delete_pods(ctx: Ctx, pod_names: Sequence[str], *, why: str) -> None:
 
 
 def sync_reports(ctx: Ctx) -> list[telemetry.SyncReport]:
-    raw = next(iter(ctx.telemetry_index.get((ctx.job.namespace, ctx.job.name), [])), "")
+    owner, raw = next(iter(ctx.telemetry_index.get((ctx.job.namespace, ctx.job.name), [])), (None, ""))
+    if owner != (ctx.body.get("metadata") or {}).get("uid"):
+        return []  # an earlier RLJob's of the same name, not yet garbage-collected: another run's
     try:
         return telemetry.parse_reports(raw)
     except ValueError as exc:  # json and pydantic errors: a bad write must not stop the job

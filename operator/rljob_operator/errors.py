@@ -105,6 +105,14 @@ class ClaimAccessModeError(RLJobError):
     retryable = True  # fixed by changing the claim, not the spec
 
 
+class EarlierJobLeftoversError(RLJobError):
+    """Pods (or other children) of an earlier RLJob of the same name still exist: nothing is created
+    until they are gone (the operator deletes the pods; the garbage collector the rest)."""
+
+    reason = "EarlierJobLeftovers"
+    retryable = True
+
+
 class InternalError(RLJobError):
     """Anything unexpected: a bug or an outage. The message quotes the exception; kopf retries."""
 

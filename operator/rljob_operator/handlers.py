@@ -188,11 +188,13 @@ async def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo:
 
 @kopf.index("configmaps", labels=TELEMETRY_LABELS)
 async def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> Any:
-    """The raw `reports.json` of every job's telemetry ConfigMap, by (namespace, job)."""
+    """The raw `reports.json` of every job's telemetry ConfigMap, by (namespace, job), with the uid
+    of the RLJob that owns it (`context.sync_reports` reads only its own job's)."""
     job = labels.get(names.LABEL_JOB)
     if job is None:
         return None
-    return {(namespace, job): (body.get("data") or {}).get(telemetry.REPORTS_KEY, "")}
+    owner = reconcile.controller_uid(body.get("metadata") or {})
+    return {(namespace, job): (owner, (body.get("data") or {}).get(telemetry.REPORTS_KEY, ""))}
 
 
 @kopf.index("nodes")

@@ -115,6 +115,21 @@ class Kube:
             "PodGroup": self._create_pod_group,
         }
         self.scheduling = kubernetes.client.SchedulingV1Api(client)
+        # The children `replace_foreign` may find left by an earlier RLJob of the same name.
+        self._readers: dict[str, Callable[..., Any]] = {
+            "Service": self.core.read_namespaced_service,
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+        }
+        self._deleters: dict[str, Callable[..., Any]] = {
+            "Service": self.core.delete_namespaced_service,
+            "ConfigMap": self.core.delete_namespaced_config_map,
+            "ServiceAccount": self.core.delete_namespaced_service_account,
+            "Role": self.rbac.delete_namespaced_role,
+            "RoleBinding": self.rbac.delete_namespaced_role_binding,
+        }
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -155,6 +170,34 @@ class Kube:
                 return False
             raise
         return True
+
+    async def foreign_owner(self, obj: dict[str, Any]) -> str | None:
+        """After a create that found `obj`'s name taken: the existing object's controller uid when it
+        is not `obj`'s owner (an earlier RLJob of the same name left it; "" for no owner), else None.
+        The existing object is deleted then (its precondition uid: never a newer one), so the next
+        create makes ours."""
+        meta = obj["metadata"]
+        kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        want = next((r["uid"] for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+        try:
+            current = await self.call("get", kind, self._readers[kind], name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:  # gone meanwhile: the next create makes ours
+                return ""
+            raise
+        current_meta = (current or {}).get("metadata") or {}
+        have = next(
+            (r.get("uid") for r in current_meta.get("ownerReferences") or [] if r.get("controller")), None
+        )
+        if want is None or have == want:
+            return None
+        body = {"preconditions": {"uid": current_meta.get("uid")}}
+        try:
+            await self.call("delete", kind, self._deleters[kind], name, namespace, body=body)
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone, or replaced meanwhile (the precondition failed)
+                raise
+        return have or ""
 
     async def delete_pod(self, namespace: str, name: str) -> bool:
         try:

@@ -49,6 +49,7 @@ class PodObservation:
     disruption: str = ""
     termination_message: str = ""
     created: float | None = None  # metadata.creationTimestamp, unix s
+    owner_uid: str | None = None  # the controller ownerReference's uid (the RLJob that made it)
 
 
 def _unix(stamp: Any) -> float | None:
@@ -136,7 +137,25 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         disruption=disruption,
         termination_message=termination_message[-1024:],
         created=_unix(meta.get("creationTimestamp")),
+        owner_uid=controller_uid(meta),
     )
+
+
+def controller_uid(meta: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controller (ownerReferences with controller: true), if any."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def left_by_earlier_job(pods: Iterable[PodObservation], job_uid: str | None) -> list[PodObservation]:
+    """Pods labelled with the job's name that another RLJob made: an earlier RLJob of the same name,
+    deleted, whose pods the garbage collector has not removed yet (or an orphan of `kubectl delete
+    --cascade=orphan`). They are never this job's: their exit codes and steps are another run's."""
+    if job_uid is None:
+        return []
+    return [p for p in pods if p.owner_uid != job_uid]
 
 
 def observe_node(node: Mapping[str, Any]) -> NodeObservation:

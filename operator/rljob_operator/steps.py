@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -176,6 +177,22 @@ def _step_label(step: Step) -> str:
 
 
 # ---- steps ---------------------------------------------------------------------------------------
+async def _step_earlier_job(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """Pods an earlier RLJob of the same name left (deleted, not yet garbage-collected) are deleted,
+    and nothing else happens until they are gone: their exits and steps are another run's."""
+    leftovers = reconcile.left_by_earlier_job(ctx.pods, (ctx.body.get("metadata") or {}).get("uid"))
+    if not leftovers:
+        return seen, False
+    await delete_pods(
+        ctx, [p.name for p in leftovers if not p.deleting], why="left by an earlier RLJob of this name"
+    )
+    raise errors.EarlierJobLeftoversError(
+        f"pods {', '.join(sorted(p.name for p in leftovers))} belong to an earlier RLJob named "
+        f"{ctx.job.name} (deleted, not yet garbage-collected): deleting them; this job starts once "
+        "they are gone"
+    )
+
+
 def _spec_failure_fixed(ctx: Ctx) -> bool:
     """A job failed by its spec (it never planned) goes on once a new generation arrives."""
     planned = status.find(ctx.old.conditions, status.PLANNED)
@@ -505,6 +522,7 @@ def _plan_rollout_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed
 
 #: The reconcile, in order. Each step returns what it observed; `compute_status` reads it all once.
 STEPS: tuple[Step, ...] = (
+    _step_earlier_job,
     _step_finished,
     _step_plan,
     _step_suspend,
@@ -588,8 +606,25 @@ async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
         kopf.adopt(obj, owner=ctx.body)
     # Independent objects: create them concurrently (each is idempotent on its own).
     kube = ctx.state.kube
-    await asyncio.gather(*(kube.create(obj) for obj in children), kube.apply_config_map(config_map))
+    existed = await asyncio.gather(*(kube.create(obj) for obj in [*children, config_map]))
+    # A name already taken is ours (an operator restart) or an earlier RLJob's of the same name, not
+    # yet collected: the garbage collector would delete that one under this job later, so it is
+    # deleted now and this job waits to create its own.
+    taken = [obj for obj, created in zip([*children, config_map], existed, strict=True) if not created]
+    foreign = [obj for obj, owner in zip(taken, await _owners(kube, taken), strict=True) if owner is not None]
+    if foreign:
+        what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in foreign)
+        raise errors.EarlierJobLeftoversError(
+            f"{what} belonged to an earlier RLJob named {ctx.job.name} (deleted, not yet garbage-collected): "
+            "deleted them; this job creates its own once they are gone"
+        )
+    if any(obj is config_map for obj in taken):
+        await kube.apply_config_map(config_map)  # ours from before: its data as this spec has it
     cache.applied = objects.config_hash
+
+
+async def _owners(kube: Any, objs: Sequence[dict[str, Any]]) -> list[str | None]:
+    return list(await asyncio.gather(*(kube.foreign_owner(o) for o in objs)))
 
 
 async def _adapt(

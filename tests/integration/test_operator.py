@@ -408,6 +408,63 @@ def test_success_then_ttl_deletes_the_job(
         )
 
 
+def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_children(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    """`kubectl delete rljob X; kubectl apply -f X.yaml` before the garbage collector is done (here:
+    deleted with --cascade=orphan, so nothing collects the first job's children at all): the new job
+    must not read the earlier one's Completed pods (it would be Succeeded at once) or keep its
+    ConfigMaps and Service (the collector would delete them under the new job). It deletes them
+    and runs on children of its own."""
+    pool_name = pool(3)
+    with operator(namespace):
+        apply(cluster, namespace, rljob("again", pool_name))
+        wait_for("3 running pods", running_pods(cluster, namespace, "again", 3))
+        cluster.succeed_pod(namespace, "again-trainer-0")
+        wait_for("Succeeded", lambda: job_status(cluster, namespace, "again").get("phase") == "Succeeded")
+        first = cluster.get_json("rljob", "again", namespace=namespace)["metadata"]["uid"]
+        old_pods = {p["metadata"]["uid"] for p in pods(cluster, namespace, "again")}
+        cluster.kubectl("delete", "rljob", "again", "-n", namespace, "--cascade=orphan")
+        wait_for("RLJob gone", lambda: cluster.get_json("rljob", "again", namespace=namespace) is None, 60)
+        assert pods(cluster, namespace, "again"), "the orphaned pods should still be there"
+
+        apply(cluster, namespace, rljob("again", pool_name))
+        second = wait_for(
+            "the new RLJob",
+            lambda: (cluster.get_json("rljob", "again", namespace=namespace) or {}).get("metadata"),
+        )["uid"]
+        assert second != first
+        fresh = wait_for("3 running pods of the new job", running_pods(cluster, namespace, "again", 3), 60)
+        assert not {p["metadata"]["uid"] for p in fresh} & old_pods, "the new job kept an earlier job's pod"
+        for p in fresh:
+            assert [r["uid"] for r in p["metadata"]["ownerReferences"]] == [second]
+        st = wait_for(
+            "Running", lambda: (s := job_status(cluster, namespace, "again")).get("phase") == "Running" and s
+        )
+        assert st.get("failures", 0) == 0 and not st.get("completionTime")
+        for kind, name in (
+            ("configmap", "again-config"),
+            ("configmap", "again-telemetry"),
+            ("service", "again"),
+            ("serviceaccount", "again"),
+        ):
+            obj = wait_for(
+                f"{kind} {name} of the new job",
+                lambda kind=kind, name=name: (
+                    (o := cluster.get_json(kind, name, namespace=namespace))
+                    and [r["uid"] for r in o["metadata"].get("ownerReferences") or []] == [second]
+                    and o
+                ),
+                30,
+            )
+            assert obj
+        events = cluster.get_json(
+            "events", f"--field-selector=involvedObject.uid={second}", namespace=namespace
+        )
+        messages = [e["message"] for e in events["items"]]
+        assert any("left by an earlier RLJob of this name" in m for m in messages), messages
+
+
 def test_semantic_errors_become_conditions_not_crash_loops(
     cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
 ) -> None:
