@@ -99,6 +99,7 @@ class WorkloadState:
     deleting: bool = False
     pod_sets_hash: str = ""  # ANNOTATION_POD_SETS_HASH ("" on a Workload made before it existed)
     pod_sets: tuple[tuple[str, int], ...] = ()  # (name, count) of spec.podSets
+    owner_uid: str | None = None  # the RLJob that made it (an earlier one's of the same name: stale)
 
     def _true(self, type_: str) -> bool:
         cond = self.conditions.get(type_)
@@ -166,6 +167,7 @@ def observe_workload(body: Mapping[str, Any]) -> WorkloadState | None:
         job=job,
         engine=int(index) if index is not None and str(index).isdigit() else None,
         uid=str(meta.get("uid", "")),
+        owner_uid=names.controller_uid(meta),
         generation=int(meta.get("generation") or 0),
         spec_hash=str((meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH, "")),
         queue_name=str((body.get("spec") or {}).get("queueName", "")),

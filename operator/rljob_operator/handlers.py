@@ -193,7 +193,7 @@ async def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, 
     job = labels.get(names.LABEL_JOB)
     if job is None:
         return None
-    owner = reconcile.controller_uid(body.get("metadata") or {})
+    owner = names.controller_uid(body.get("metadata") or {})
     return {(namespace, job): (owner, (body.get("data") or {}).get(telemetry.REPORTS_KEY, ""))}
 
 

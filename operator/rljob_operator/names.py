@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 # ---- label and annotation keys (prefix rljob.io, like the API group) ----------------------------
 LABEL_JOB = "rljob.io/job"
@@ -199,4 +200,13 @@ def parse_pod_name(job: str, name: str) -> tuple[str, int] | None:
         prefix = f"{job}-{role}-"
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
             return role, int(name[len(prefix) :])
+    return None
+
+
+def controller_uid(meta: Mapping[str, Any]) -> str | None:
+    """The uid of an object's controller (its ownerReference with controller: true), if any: the
+    RLJob that made a child, which tells one RLJob's children from an earlier one's of the same name."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
     return None

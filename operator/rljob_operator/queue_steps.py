@@ -10,7 +10,7 @@ import time
 
 import kopf
 
-from rljob_operator import admission, api, builders, kube, names, preemption, reconcile, status
+from rljob_operator import admission, api, builders, errors, kube, names, preemption, reconcile, status
 from rljob_operator.builders import podgroup
 from rljob_operator.context import (
     WAIT_FOR_TERMINATION_S,
@@ -90,6 +90,16 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     core_pods = builders.build_pods(ctx.job, spec, core_layout)
     trainers, rollouts = core_pods[: core_layout.trainer_pods], core_pods[core_layout.trainer_pods :]
     known = ctx.state.workloads.setdefault(ctx.key, {})
+    job_uid = (ctx.body.get("metadata") or {}).get("uid")
+    earlier = sorted(n for n, w in known.items() if w.owner_uid != job_uid)
+    if earlier:  # an earlier RLJob's of the same name: its admission is not this job's
+        for wl in earlier:
+            if not known[wl].deleting:
+                await ctx.state.kube.delete_workload(ctx.job.namespace, wl)
+        raise errors.EarlierJobLeftoversError(
+            f"Workloads {', '.join(earlier)} belong to an earlier RLJob named {ctx.job.name} (deleted, "
+            "not yet garbage-collected): deleting them; this job queues once they are gone"
+        )
     wl_name = names.workload_name(ctx.job.name)
     core = known.get(wl_name)
     if core is None or not core.quota_reserved:

@@ -137,16 +137,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         disruption=disruption,
         termination_message=termination_message[-1024:],
         created=_unix(meta.get("creationTimestamp")),
-        owner_uid=controller_uid(meta),
+        owner_uid=names.controller_uid(meta),
     )
-
-
-def controller_uid(meta: Mapping[str, Any]) -> str | None:
-    """The uid of the object's controller (ownerReferences with controller: true), if any."""
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("controller"):
-            return ref.get("uid")
-    return None
 
 
 def left_by_earlier_job(pods: Iterable[PodObservation], job_uid: str | None) -> list[PodObservation]:

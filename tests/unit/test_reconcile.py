@@ -36,6 +36,27 @@ def observed_from(pods: list[dict[str, Any]], phase: str = "Running") -> list[re
     return out
 
 
+def test_pods_of_an_earlier_job_of_the_same_name_are_told_apart_by_their_owner_uid() -> None:
+    """Only pods whose controller ownerReference is this RLJob's uid are its own; an earlier RLJob's
+    (same name, deleted, not yet collected) and orphans (--cascade=orphan) are leftovers."""
+
+    def owned(pod: dict[str, Any], uid: str | None) -> reconcile.PodObservation:
+        refs = [] if uid is None else [{"kind": "RLJob", "name": "demo", "uid": uid, "controller": True}]
+        other = [{"kind": "Other", "name": "x", "uid": "not-a-controller"}]
+        o = reconcile.observe_pod({**pod, "metadata": {**pod["metadata"], "ownerReferences": other + refs}})
+        assert o is not None
+        return o
+
+    a, b, c = desired()[:3]
+    pods = [owned(a, "new"), owned(b, "old"), owned(c, None)]
+    assert [p.owner_uid for p in pods] == ["new", "old", None]
+    assert [p.name for p in reconcile.left_by_earlier_job(pods, "new")] == [
+        b["metadata"]["name"],
+        c["metadata"]["name"],
+    ]
+    assert reconcile.left_by_earlier_job(pods[:1], "new") == []
+
+
 def test_observe_pod_reads_labels_annotations_and_exit_code() -> None:
     pod = desired()[0]
     pod = {
