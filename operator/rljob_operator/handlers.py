@@ -180,9 +180,9 @@ async def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo:
     if isinstance(state, State):
         key = names.job_key(namespace, labels[names.LABEL_JOB])
         # Seen here, not only by a reconcile: a pod may be created and evicted between two.
-        state.known.setdefault(key, {})[obs.name] = obs.attempt
+        state.known.setdefault(key, {})[obs.name] = (obs.attempt, obs.owner_uid)
         if obs.disruption:
-            state.disrupted.setdefault(key, {})[obs.name] = (obs.attempt, obs.disruption)
+            state.disrupted.setdefault(key, {})[obs.name] = (obs.attempt, obs.disruption, obs.owner_uid)
     return {(namespace, labels[names.LABEL_JOB]): obs}
 
 

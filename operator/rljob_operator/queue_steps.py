@@ -97,8 +97,9 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
             if not known[wl].deleting:
                 await ctx.state.kube.delete_workload(ctx.job.namespace, wl)
         raise errors.EarlierJobLeftoversError(
+            "metadata.name",
             f"Workloads {', '.join(earlier)} belong to an earlier RLJob named {ctx.job.name} (deleted, "
-            "not yet garbage-collected): deleting them; this job queues once they are gone"
+            "not yet garbage-collected): deleting them; this job queues once they are gone",
         )
     wl_name = names.workload_name(ctx.job.name)
     core = known.get(wl_name)

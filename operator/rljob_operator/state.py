@@ -46,11 +46,12 @@ class State:
     # native gang scheduling: (checked at, served) of the PodGroup API; job key -> minCount created
     pod_group_api: tuple[float, bool] | None = None
     gangs: dict[str, int] = dataclasses.field(default_factory=dict)
-    # job key -> pod name -> (attempt, why): pods seen disrupted (see rljob_pods)
-    disrupted: dict[str, dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
-    # job key -> pod name -> attempt: pods seen; and the names the operator deleted itself, so that
-    # a pod of the attempt that is gone can be told from one not created yet or deleted by us.
-    known: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> (attempt, why, owner uid): pods seen disrupted (see rljob_pods)
+    disrupted: dict[str, dict[str, tuple[int, str, str | None]]] = dataclasses.field(default_factory=dict)
+    # job key -> pod name -> (attempt, owner uid): pods seen; and the names the operator deleted
+    # itself, so that a pod of the attempt that is gone can be told from one not created yet or
+    # deleted by us. The owner uid tells an earlier RLJob's pods (same name) from this one's.
+    known: dict[str, dict[str, tuple[int, str | None]]] = dataclasses.field(default_factory=dict)
     deleted: dict[str, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
     # job key -> Workload name -> what it says (rljob_workloads, the Kueue watch)
     workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)

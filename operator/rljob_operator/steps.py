@@ -187,9 +187,10 @@ async def _step_earlier_job(ctx: Ctx, seen: status.Observed) -> tuple[status.Obs
         ctx, [p.name for p in leftovers if not p.deleting], why="left by an earlier RLJob of this name"
     )
     raise errors.EarlierJobLeftoversError(
+        "metadata.name",
         f"pods {', '.join(sorted(p.name for p in leftovers))} belong to an earlier RLJob named "
         f"{ctx.job.name} (deleted, not yet garbage-collected): deleting them; this job starts once "
-        "they are gone"
+        "they are gone",
     )
 
 
@@ -296,11 +297,12 @@ def _vanished_pods(ctx: Ctx) -> dict[str, str]:
     disrupted = ctx.state.disrupted.setdefault(ctx.key, {})
     ours = ctx.state.deleted.setdefault(ctx.key, set())
     ours.difference_update({(n, a) for n, a in ours if a != ctx.attempt})
-    for table in (known, disrupted):
-        for name in [n for n, v in table.items() if (v if isinstance(v, int) else v[0]) != ctx.attempt]:
+    uid = (ctx.body.get("metadata") or {}).get("uid")
+    for table in (known, disrupted):  # another attempt's, or an earlier RLJob's of the same name
+        for name in [n for n, v in table.items() if v[0] != ctx.attempt or v[-1] != uid]:
             del table[name]
     present = {p.name for p in ctx.pods if p.attempt == ctx.attempt}
-    known.update(dict.fromkeys(present, ctx.attempt))
+    known.update(dict.fromkeys(present, (ctx.attempt, uid)))
     out = {}
     for name in sorted(set(known) - present - {n for n, _ in ours}):
         role = names.parse_pod_name(ctx.job.name, name)
@@ -615,8 +617,9 @@ async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
     if foreign:
         what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in foreign)
         raise errors.EarlierJobLeftoversError(
+            "metadata.name",
             f"{what} belonged to an earlier RLJob named {ctx.job.name} (deleted, not yet garbage-collected): "
-            "deleted them; this job creates its own once they are gone"
+            "deleted them; this job creates its own once they are gone",
         )
     if any(obj is config_map for obj in taken):
         await kube.apply_config_map(config_map)  # ours from before: its data as this spec has it

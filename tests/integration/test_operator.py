@@ -441,7 +441,7 @@ def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_childr
         st = wait_for(
             "Running", lambda: (s := job_status(cluster, namespace, "again")).get("phase") == "Running" and s
         )
-        assert st.get("failures", 0) == 0 and not st.get("completionTime")
+        assert st.get("failures", 0) == 0 and st.get("restarts", 0) == 0 and not st.get("completionTime")
         for kind, name in (
             ("configmap", "again-config"),
             ("configmap", "again-telemetry"),
@@ -461,8 +461,11 @@ def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_childr
         events = cluster.get_json(
             "events", f"--field-selector=involvedObject.uid={second}", namespace=namespace
         )
-        messages = [e["message"] for e in events["items"]]
-        assert any("left by an earlier RLJob of this name" in m for m in messages), messages
+        by_reason = {e["reason"]: e["message"] for e in events["items"]}
+        assert "left by an earlier RLJob of this name" in by_reason.get("PodsDeleted", ""), by_reason
+        assert "belong to an earlier RLJob named again" in by_reason.get("EarlierJobLeftovers", ""), by_reason
+        # The earlier job's pods going away are not this job's pods lost: no restart.
+        assert "Disrupted" not in by_reason and "InternalError" not in by_reason, by_reason
 
 
 def test_semantic_errors_become_conditions_not_crash_loops(
