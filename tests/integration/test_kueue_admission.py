@@ -491,5 +491,28 @@ def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
                 "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=grow"
             ).stdout
             assert "WorkloadOutOfSync" in events and "WorkloadRebuilt" in events
+
+            # Deleted and applied again before anything collected the first job's Workload and
+            # pods (--cascade=orphan: nothing ever will): the new job never runs under the earlier
+            # job's admission; it deletes that Workload and queues one of its own.
+            cluster.kubectl("delete", "rljob", "grow", "-n", namespace, "--cascade=orphan")
+            wait_for("RLJob gone", lambda: cluster.get_json("rljob", "grow", namespace=namespace) is None, 60)
+            earlier_wl = cluster.get_json("workload", "rljob-grow", namespace=namespace, check=True)
+            apply(cluster, namespace, cpu_rljob("grow", {"kueue.x-k8s.io/queue-name": "team-queue"}))
+            uid = cluster.get_json("rljob", "grow", namespace=namespace, check=True)["metadata"]["uid"]
+
+            def own_workload() -> dict[str, Any] | None:
+                wl = cluster.get_json("workload", "rljob-grow", namespace=namespace)
+                refs = [r["uid"] for r in (wl or {}).get("metadata", {}).get("ownerReferences") or []]
+                return wl if refs == [uid] else None
+
+            mine = wait_for("the new job's own Workload", own_workload, 90)
+            assert mine["metadata"]["uid"] != earlier_wl["metadata"]["uid"]
+            again = wait_for("the new job's 3 pods running", running_pods(cluster, namespace, "grow", 3), 90)
+            assert all([r["uid"] for r in p["metadata"]["ownerReferences"]] == [uid] for p in again)
+            events = cluster.kubectl(
+                "get", "events", "-n", namespace, "--field-selector", f"involvedObject.uid={uid}"
+            ).stdout
+            assert "EarlierJobLeftovers" in events, events
     finally:
         delete_jobs_and_queues(cluster, namespace, queues)
