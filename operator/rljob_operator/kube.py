@@ -115,7 +115,7 @@ class Kube:
             "PodGroup": self._create_pod_group,
         }
         self.scheduling = kubernetes.client.SchedulingV1Api(client)
-        # The children `replace_foreign` may find left by an earlier RLJob of the same name.
+        # The children `foreign_owner` may find left by an earlier RLJob of the same name.
         self._readers: dict[str, Callable[..., Any]] = {
             "Service": self.core.read_namespaced_service,
             "ConfigMap": self.core.read_namespaced_config_map,

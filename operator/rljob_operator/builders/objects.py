@@ -17,7 +17,7 @@ from rljob_operator.builders.common import JobLayout, JobRef, content_hash
 
 @dataclasses.dataclass(frozen=True)
 class JobObjects:
-    """The objects of one job: `children` are created once (AlreadyExists is success), the config
+    """The objects of one job: `children` are created once (AlreadyExists is success when ours), the config
     ConfigMap is replaced when it changes, and `pods` are reconciled one by one."""
 
     rbac: tuple[dict[str, Any], ...]
