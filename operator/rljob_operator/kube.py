@@ -21,7 +21,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rljob_operator import api, kubeclient, metrics
+from rljob_operator import api, kubeclient, metrics, names
 from rljob_operator.builders import podgroup, workload
 
 API_THREADS = 16
@@ -123,13 +123,6 @@ class Kube:
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
         }
-        self._deleters: dict[str, Callable[..., Any]] = {
-            "Service": self.core.delete_namespaced_service,
-            "ConfigMap": self.core.delete_namespaced_config_map,
-            "ServiceAccount": self.core.delete_namespaced_service_account,
-            "Role": self.rbac.delete_namespaced_role,
-            "RoleBinding": self.rbac.delete_namespaced_role_binding,
-        }
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -173,9 +166,9 @@ class Kube:
 
     async def foreign_owner(self, obj: dict[str, Any]) -> str | None:
         """After a create that found `obj`'s name taken: the existing object's controller uid when it
-        is not `obj`'s owner (an earlier RLJob of the same name left it; "" for no owner), else None.
-        The existing object is deleted then (its precondition uid: never a newer one), so the next
-        create makes ours."""
+        is not `obj`'s owner (an earlier RLJob of the same name left it; "" for none: an orphan, or
+        gone meanwhile), else None. Only read: the chart grants no delete on these kinds, and the
+        garbage collector deletes what an earlier RLJob owned."""
         meta = obj["metadata"]
         kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
         want = next((r["uid"] for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
@@ -185,18 +178,9 @@ class Kube:
             if exc.status == 404:  # gone meanwhile: the next create makes ours
                 return ""
             raise
-        current_meta = (current or {}).get("metadata") or {}
-        have = next(
-            (r.get("uid") for r in current_meta.get("ownerReferences") or [] if r.get("controller")), None
-        )
+        have = names.controller_uid((current or {}).get("metadata") or {})
         if want is None or have == want:
             return None
-        body = {"preconditions": {"uid": current_meta.get("uid")}}
-        try:
-            await self.call("delete", kind, self._deleters[kind], name, namespace, body=body)
-        except ApiException as exc:
-            if exc.status not in (404, 409):  # gone, or replaced meanwhile (the precondition failed)
-                raise
         return have or ""
 
     async def delete_pod(self, namespace: str, name: str) -> bool:

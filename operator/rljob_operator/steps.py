@@ -610,24 +610,36 @@ async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
     kube = ctx.state.kube
     existed = await asyncio.gather(*(kube.create(obj) for obj in [*children, config_map]))
     # A name already taken is ours (an operator restart) or an earlier RLJob's of the same name, not
-    # yet collected: the garbage collector would delete that one under this job later, so it is
-    # deleted now and this job waits to create its own.
+    # yet collected: the garbage collector would delete that one under this job later, so this job
+    # waits to create its own.
     taken = [obj for obj, created in zip([*children, config_map], existed, strict=True) if not created]
-    foreign = [obj for obj, owner in zip(taken, await _owners(kube, taken), strict=True) if owner is not None]
+    owners = await asyncio.gather(*(kube.foreign_owner(o) for o in taken))
+    foreign = [(o, owner) for o, owner in zip(taken, owners, strict=True) if owner is not None]
     if foreign:
-        what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in foreign)
-        raise errors.EarlierJobLeftoversError(
-            "metadata.name",
-            f"{what} belonged to an earlier RLJob named {ctx.job.name} (deleted, not yet garbage-collected): "
-            "deleted them; this job creates its own once they are gone",
-        )
+        raise errors.EarlierJobLeftoversError("metadata.name", _leftovers_message(ctx, foreign))
     if any(obj is config_map for obj in taken):
         await kube.apply_config_map(config_map)  # ours from before: its data as this spec has it
     cache.applied = objects.config_hash
 
 
-async def _owners(kube: Any, objs: Sequence[dict[str, Any]]) -> list[str | None]:
-    return list(await asyncio.gather(*(kube.foreign_owner(o) for o in objs)))
+def _leftovers_message(ctx: Ctx, foreign: Sequence[tuple[dict[str, Any], str]]) -> str:
+    owned = [o for o, owner in foreign if owner]
+    orphans = [o for o, owner in foreign if not owner]
+    parts = []
+    if owned:
+        what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in owned)
+        parts.append(
+            f"{what} belong to an earlier RLJob named {ctx.job.name} (deleted, not yet garbage-collected): "
+            "this job creates its own once the garbage collector has deleted them"
+        )
+    if orphans:
+        what = " ".join(f"{o['kind'].lower()}/{o['metadata']['name']}" for o in orphans)
+        parts.append(
+            f"{what} have no owner (left by kubectl delete --cascade=orphan of an earlier RLJob named "
+            f"{ctx.job.name}), so nothing deletes them: delete them (kubectl delete -n {ctx.job.namespace} "
+            f"{what}) and this job creates its own"
+        )
+    return "; ".join(parts)
 
 
 async def _adapt(

@@ -501,6 +501,14 @@ def test_a_spec_change_of_an_admitted_job_stops_it_and_rebuilds_its_workload(
             apply(cluster, namespace, cpu_rljob("grow", {"kueue.x-k8s.io/queue-name": "team-queue"}))
             uid = cluster.get_json("rljob", "grow", namespace=namespace, check=True)["metadata"]["uid"]
 
+            def orphans_named() -> list[str] | None:
+                message = condition(job_status(cluster, namespace, "grow"), "Ready").get("message", "")
+                if "have no owner" not in message:
+                    return None
+                return message.split("(kubectl delete -n ")[1].split(")")[0].split()
+
+            cluster.kubectl("delete", "-n", *wait_for("the orphaned children named", orphans_named, 60))
+
             def own_workload() -> dict[str, Any] | None:
                 wl = cluster.get_json("workload", "rljob-grow", namespace=namespace)
                 refs = [r["uid"] for r in (wl or {}).get("metadata", {}).get("ownerReferences") or []]

@@ -414,8 +414,9 @@ def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_childr
     """`kubectl delete rljob X; kubectl apply -f X.yaml` before the garbage collector is done (here:
     deleted with --cascade=orphan, so nothing collects the first job's children at all): the new job
     must not read the earlier one's Completed pods (it would be Succeeded at once) or keep its
-    ConfigMaps and Service (the collector would delete them under the new job). It deletes them
-    and runs on children of its own."""
+    ConfigMaps and Service (the collector would delete them under the new job). It deletes the pods,
+    names the other orphans with the command that deletes them, and then runs on children of its
+    own."""
     pool_name = pool(3)
     with operator(namespace):
         apply(cluster, namespace, rljob("again", pool_name))
@@ -434,6 +435,17 @@ def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_childr
             lambda: (cluster.get_json("rljob", "again", namespace=namespace) or {}).get("metadata"),
         )["uid"]
         assert second != first
+
+        # Orphans have no owner, so no garbage collector ever deletes them: the job says so, naming
+        # them and the command, and the user runs it (the operator deletes only the pods itself).
+        def orphans_named() -> str:
+            message = condition(job_status(cluster, namespace, "again"), "Ready").get("message", "")
+            return message if "have no owner" in message else ""
+
+        message = wait_for("the job naming the orphaned children", orphans_named, 60)
+        command = message.split("(kubectl delete -n ")[1].split(")")[0].split()
+        assert command[0] == namespace and "configmap/again-config" in command and "service/again" in command
+        cluster.kubectl("delete", "-n", *command)
         fresh = wait_for("3 running pods of the new job", running_pods(cluster, namespace, "again", 3), 60)
         assert not {p["metadata"]["uid"] for p in fresh} & old_pods, "the new job kept an earlier job's pod"
         for p in fresh:
@@ -463,7 +475,7 @@ def test_a_job_recreated_under_the_same_name_never_takes_the_earlier_jobs_childr
         )
         by_reason = {e["reason"]: e["message"] for e in events["items"]}
         assert "left by an earlier RLJob of this name" in by_reason.get("PodsDeleted", ""), by_reason
-        assert "belong to an earlier RLJob named again" in by_reason.get("EarlierJobLeftovers", ""), by_reason
+        assert "earlier RLJob named again" in by_reason.get("EarlierJobLeftovers", ""), by_reason
         # The earlier job's pods going away are not this job's pods lost: no restart.
         assert "Disrupted" not in by_reason and "InternalError" not in by_reason, by_reason
 

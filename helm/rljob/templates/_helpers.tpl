@@ -86,17 +86,18 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, list, watch, create, patch, update]
-# A job's headless Service and ServiceAccount: created once (AlreadyExists is success), deleted by
-# the garbage collector through their owner reference.
+# A job's headless Service and ServiceAccount: created once, deleted by the garbage collector
+# through their owner reference. `get` when the name is taken: AlreadyExists is success only when
+# the object is this job's (its ownerReference), not an earlier RLJob's of the same name.
 - apiGroups: [""]
   resources: [services, serviceaccounts]
-  verbs: [create]
-# A job's Role and RoleBinding: created once. Creating them passes RBAC escalation prevention
-# because the operator holds every rule the job's Role grants (configmaps get/patch/update,
-# rljobs get); no `bind` or `escalate`.
+  verbs: [get, create]
+# A job's Role and RoleBinding: created once (`get` as above). Creating them passes RBAC escalation
+# prevention because the operator holds every rule the job's Role grants (configmaps
+# get/patch/update, rljobs get); no `bind` or `escalate`.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [create]
+  verbs: [get, create]
 # PersistentVolumeClaims a job mounts: read once before an attempt's first pod, to report a
 # missing claim or one whose access modes the job's pods cannot share (never written).
 - apiGroups: [""]
