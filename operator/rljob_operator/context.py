@@ -60,6 +60,11 @@ class Ctx:
     def attempt(self) -> int:
         return self.old.restarts or 0
 
+    @property
+    def uid(self) -> str | None:
+        """The RLJob's uid: its children carry it in their controller ownerReference."""
+        return (self.body.get("metadata") or {}).get("uid")
+
 
 # A step reads what earlier steps observed and returns it extended, plus whether to stop here.
 Step = Callable[[Ctx, status.Observed], Awaitable[tuple[status.Observed, bool]]]
@@ -86,7 +91,7 @@ async def delete_pods(ctx: Ctx, pod_names: Sequence[str], *, why: str) -> None:
 
 def sync_reports(ctx: Ctx) -> list[telemetry.SyncReport]:
     owner, raw = next(iter(ctx.telemetry_index.get((ctx.job.namespace, ctx.job.name), [])), (None, ""))
-    if owner != (ctx.body.get("metadata") or {}).get("uid"):
+    if owner != ctx.uid:
         return []  # an earlier RLJob's of the same name, not yet garbage-collected: another run's
     try:
         return telemetry.parse_reports(raw)

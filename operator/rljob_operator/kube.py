@@ -171,7 +171,7 @@ class Kube:
         garbage collector deletes what an earlier RLJob owned."""
         meta = obj["metadata"]
         kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
-        want = next((r["uid"] for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+        want = names.controller_uid(meta)
         try:
             current = await self.call("get", kind, self._readers[kind], name, namespace)
         except ApiException as exc:

@@ -90,8 +90,7 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     core_pods = builders.build_pods(ctx.job, spec, core_layout)
     trainers, rollouts = core_pods[: core_layout.trainer_pods], core_pods[core_layout.trainer_pods :]
     known = ctx.state.workloads.setdefault(ctx.key, {})
-    job_uid = (ctx.body.get("metadata") or {}).get("uid")
-    earlier = sorted(n for n, w in known.items() if w.owner_uid != job_uid)
+    earlier = sorted(n for n, w in known.items() if w.owner_uid != ctx.uid)
     if earlier:  # an earlier RLJob's of the same name: its admission is not this job's
         for wl in earlier:
             if not known[wl].deleting:

@@ -180,7 +180,7 @@ def _step_label(step: Step) -> str:
 async def _step_earlier_job(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Pods an earlier RLJob of the same name left (deleted, not yet garbage-collected) are deleted,
     and nothing else happens until they are gone: their exits and steps are another run's."""
-    leftovers = reconcile.left_by_earlier_job(ctx.pods, (ctx.body.get("metadata") or {}).get("uid"))
+    leftovers = reconcile.left_by_earlier_job(ctx.pods, ctx.uid)
     if not leftovers:
         return seen, False
     await delete_pods(
@@ -297,12 +297,11 @@ def _vanished_pods(ctx: Ctx) -> dict[str, str]:
     disrupted = ctx.state.disrupted.setdefault(ctx.key, {})
     ours = ctx.state.deleted.setdefault(ctx.key, set())
     ours.difference_update({(n, a) for n, a in ours if a != ctx.attempt})
-    uid = (ctx.body.get("metadata") or {}).get("uid")
     for table in (known, disrupted):  # another attempt's, or an earlier RLJob's of the same name
-        for name in [n for n, v in table.items() if v[0] != ctx.attempt or v[-1] != uid]:
+        for name in [n for n, v in table.items() if v[0] != ctx.attempt or v[-1] != ctx.uid]:
             del table[name]
     present = {p.name for p in ctx.pods if p.attempt == ctx.attempt}
-    known.update(dict.fromkeys(present, (ctx.attempt, uid)))
+    known.update(dict.fromkeys(present, (ctx.attempt, ctx.uid)))
     out = {}
     for name in sorted(set(known) - present - {n for n, _ in ours}):
         role = names.parse_pod_name(ctx.job.name, name)
