@@ -39,6 +39,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from rljob_operator import quantity
+from rljob_trainer import config as trainer_config
 
 GROUP = "rljob.io"
 VERSION = "v1alpha1"
@@ -802,9 +803,9 @@ class StaticSplitSpec(_Spec):
 
 WeightSyncMode = Literal["collective", "objectStore"]
 LoRASyncMode = Literal["adapter", "merged"]
-#: vLLM's largest max_lora_rank (rljob_trainer.config.VLLM_MAX_LORA_RANKS[-1]): vLLM engines serving the
-#: adapter (loraSync adapter) cannot hold a larger rank.
-VLLM_MAX_LORA_RANK = 512
+#: vLLM's largest max_lora_rank: vLLM engines serving the adapter (loraSync adapter) cannot hold a
+#: larger rank (the trainer's rule, `rljob_trainer.config.vllm_max_lora_rank`, one list for both).
+VLLM_MAX_LORA_RANK = trainer_config.VLLM_MAX_LORA_RANKS[-1]
 
 
 class RolloutSpec(_Spec):

@@ -29,7 +29,6 @@ import torch
 
 from rljob_trainer import config as config_mod
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved-adapter names start here (vLLM strips it too)
 

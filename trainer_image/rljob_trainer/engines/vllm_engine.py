@@ -61,6 +61,13 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
     return len(weights)
 
 
+def _lora_request(adapter: lora_adapter.AdapterVersion) -> Any:
+    """vLLM's LoRARequest for one adapter version (what add_lora registers, what generate names)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.name, lora_int_id=adapter.lora_int_id, lora_path=str(adapter.path))
+
+
 def lora_engine_args(cfg: config_mod.TrainerConfig) -> dict[str, Any]:
     """The vllm.LLM arguments of an engine that serves the trainer's LoRA adapter (none without)."""
     if not cfg.rollout.engine_lora:
@@ -195,14 +202,7 @@ class VLLMEngine(base.RolloutEngine):
             for s in seeds
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
-        lora: dict[str, Any] = {}
-        if self._adapter is not None:
-            from vllm.lora.request import LoRARequest
-
-            a = self._adapter
-            lora["lora_request"] = LoRARequest(
-                lora_name=a.name, lora_int_id=a.lora_int_id, lora_path=str(a.path)
-            )
+        lora = {"lora_request": _lora_request(self._adapter)} if self._adapter is not None else {}
         outs = self._llm.generate(prompts, params, use_tqdm=False, **lora)
         results = []
         for p, o in zip(prompts_token_ids, outs, strict=True):
@@ -258,14 +258,9 @@ class VLLMEngine(base.RolloutEngine):
         if self._adapters is None:
             raise RuntimeError(f"engine {self.name}: load() has not been called")
         adapter = self._adapters.write(tensors, self._cfg.model, new_version)  # refuses base tensors
-        from vllm.lora.request import LoRARequest
-
         engine = getattr(self._llm, "llm_engine", self._llm)
-        request = LoRARequest(
-            lora_name=adapter.name, lora_int_id=adapter.lora_int_id, lora_path=str(adapter.path)
-        )
         try:
-            if not engine.add_lora(request):
+            if not engine.add_lora(_lora_request(adapter)):
                 raise RuntimeError(f"engine {self.name}: vLLM did not add LoRA adapter {adapter.name}")
         except BaseException:
             self._adapters.retire(adapter)  # the previous adapter stays current
