@@ -1,6 +1,6 @@
 """Adaptive-mode benchmark: a seeded discrete-event simulator of a one-step-off GRPO job.
 
-Role: shows what `rljob_operator.policy.decide()` buys over a static split and over the seed's
+Role: shows what `rljob_operator.decide.policy.decide()` buys over a static split and over the seed's
 snapshot rule when generation length drifts. Run `python bench/adaptive.py` (table) or
 `python bench/adaptive.py --json`; `tests/unit/test_bench_adaptive.py` runs a short version. Pure
 and deterministic: no clock, randomness only from `numpy.random.default_rng(seed + step)`, and
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from rljob_operator import policy
+from rljob_operator.decide import policy
 from rljob_trainer import telemetry, telemetry_sink
 
 
@@ -459,7 +459,8 @@ def real_driver_run(*, steps: int, short_from_step: int, workdir: Path) -> dict[
     import ray
     import yaml
 
-    from rljob_operator import api, builders, planning
+    from rljob_operator import api, builders
+    from rljob_operator.decide import planning
     from rljob_trainer import __main__ as trainer_main
     from rljob_trainer import config as config_mod
     from rljob_trainer import driver, runtimes

@@ -136,7 +136,9 @@ class Side:
         return {k: v for k, v in env.items() if v}
 
     def has_admission(self) -> bool:
-        return (self.source / "rljob_operator" / "admission.py").exists()
+        # The admission step moved into decide/ with the role folders; a baseline may predate either.
+        pkg = self.source / "rljob_operator"
+        return (pkg / "admission.py").exists() or (pkg / "decide" / "admission.py").exists()
 
 
 def extract_baseline(ref: str) -> Path:
@@ -165,7 +167,7 @@ def start_operator(
         PYTHONPATH=os.pathsep.join([str(side.source), os.environ.get("PYTHONPATH", "")]),
     )
     env.pop("RLJOB_POOLS_CONFIGMAP", None)  # the chart's default: no pools
-    argv = [sys.executable, "-m", "rljob_operator.cli", "operator", "--namespace", NAMESPACE,
+    argv = [sys.executable, "-m", "rljob_operator.cli.commands", "operator", "--namespace", NAMESPACE,
             "--leader-election-namespace", NAMESPACE, "--log-level", "WARNING"]  # fmt: skip
     if not leader_election:
         argv.append("--no-leader-election")
@@ -337,7 +339,7 @@ class Result:
 def run_side(side: Side, args: argparse.Namespace) -> Result:
     result = Result(side.label, side.chart_env())
     if side.kueue and not side.has_admission():
-        result.unavailable = "this operator has no Kueue admission step (rljob_operator/admission.py)"
+        result.unavailable = "this operator has no Kueue admission step (rljob_operator/decide/admission.py)"
         return result
     from kubernetes import client
 

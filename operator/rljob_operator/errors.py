@@ -1,7 +1,7 @@
 """The one error hierarchy: every error a user sees names the field, the rule and the fix.
 
 Role: raised by the pure core (estimator, planning, builders, capacity and volume checks) and by
-the shell's readers; `rljob_operator.status` turns any exception into a condition through
+the shell's readers; `rljob_operator.reconcile.status` turns any exception into a condition through
 `reason_of`/`retryable`, which read the class attributes here: `reason` (the CamelCase condition
 reason) and `retryable` (whether waiting or a change outside the spec can fix it: the job stays
 Pending and the operator retries; otherwise the job waits for a new spec generation). Anything

@@ -1,8 +1,8 @@
-"""kopf handlers: the operator's watches, indexes and resync loop (all API calls go through `kube.Kube`).
+"""kopf handlers: the operator's watches, indexes and resync loop (all API calls go through `adapter.Kube`).
 
 Role: the resync loop (`_resync_loop`) runs one level-based reconcile (`steps.reconcile_job`)
 whenever a job is due, serialized per job by an `asyncio.Lock` keyed by `names.job_key()`.
-Reconciles are event-driven (`rljob_operator.resync`): a watch event on a job's RLJob, pods,
+Reconciles are event-driven (`rljob_operator.kube.resync`): a watch event on a job's RLJob, pods,
 telemetry ConfigMap or Kueue Workloads, or on a node its pods use, marks the job due at once
 (`state.due[key]`); a reconcile that waits for time (a backoff, a terminating pod, a TTL, a missing
 object) asks for its own retry; every job is also reconciled every RLJOB_RECONCILE_INTERVAL_S as a
@@ -38,9 +38,11 @@ from typing import Any
 
 import kopf
 
-from rljob_operator import admission, api, kube, metrics, names, reconcile, resync
-from rljob_operator.state import State
-from rljob_operator.steps import RETRY_WAITING_S, reconcile_job
+from rljob_operator import api, names
+from rljob_operator.decide import admission, lifecycle
+from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.reconcile.state import State
+from rljob_operator.reconcile.steps import RETRY_WAITING_S, reconcile_job
 from rljob_trainer import telemetry
 
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "300"))
@@ -91,7 +93,7 @@ async def rljob_startup(
     settings.networking.connect_timeout = 10
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.execution.max_workers = kube.API_THREADS
+    settings.execution.max_workers = adapter.API_THREADS
     # First what may fail (a busy port): kopf retries the startup, which must not leave a second
     # API client or resync loop behind.
     # kopf logs every event handler's success at INFO: one line per watch event is noise, not news.
@@ -100,7 +102,7 @@ async def rljob_startup(
         quiet.addFilter(_QuietEventHandlers())
     if metrics.start_metrics_server(METRICS_PORT):
         logger.info(f"metrics on :{METRICS_PORT}/metrics")
-    state = State(kube=kube.Kube.from_environment())
+    state = State(kube=adapter.Kube.from_environment())
     memo["rljob"] = state
     # The indexes are live objects, filled by kopf's watches from now on.
     indexes = _Indexes(pods=rljob_pods, telemetry=rljob_telemetry, nodes=rljob_nodes, jobs=rljob_jobs)
@@ -129,7 +131,7 @@ class _QuietEventHandlers(logging.Filter):
 def _resync_ended(task: asyncio.Task[None]) -> None:
     """The resync loop never ends but by cancellation: anything else is a bug, and loud."""
     if not task.cancelled() and task.exception() is not None:
-        logging.getLogger("rljob_operator.resync").error(
+        logging.getLogger("rljob_operator.kube.resync").error(
             "the resync loop crashed: no job is reconciled any more", exc_info=task.exception()
         )
 
@@ -173,7 +175,7 @@ async def rljob_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, memo:
     Every pod seen is remembered, with its DisruptionTarget if it has one: an eviction deletes the
     pod right after, maybe before any reconcile saw it, and the reconcile must still know it was
     a disruption, not a pod never created or one to recreate alone."""
-    obs = reconcile.observe_pod(body)
+    obs = lifecycle.observe_pod(body)
     if obs is None:
         return None
     state = memo.get("rljob")
@@ -200,7 +202,7 @@ async def rljob_telemetry(body: kopf.Body, namespace: str, labels: kopf.Labels, 
 @kopf.index("nodes")
 async def rljob_nodes(body: kopf.Body, **_: Any) -> Any:
     """Every node's labels, taints and allocatable resources, for the capacity check."""
-    return {"nodes": reconcile.observe_node(body)}
+    return {"nodes": lifecycle.observe_node(body)}
 
 
 @kopf.on.event(
@@ -257,13 +259,13 @@ async def rljob_pod_event(
     **_: Any,
 ) -> None:
     """A job's pod was created, scheduled, started, ended or deleted: reconcile the job. An event
-    that changes nothing a reconcile reads of the pod (`reconcile.observe_pod`) does not."""
+    that changes nothing a reconcile reads of the pod (`lifecycle.observe_pod`) does not."""
     state = memo.get("rljob")
     if not isinstance(state, State):
         return
     key = names.job_key(namespace, labels[names.LABEL_JOB])
     gone = event["type"] == "DELETED"
-    view = None if gone else reconcile.observe_pod(body)
+    view = None if gone else lifecycle.observe_pod(body)
     # The watch shows a pod this operator created: forget the create (`steps._step_pods`), and
     # its ADDED, a pod just as it was created, is no news to the reconcile that created it.
     ours = state.seen_created(key, name, view)
@@ -294,7 +296,7 @@ async def rljob_node_event(
     state = memo.get("rljob")
     if not isinstance(state, State):
         return
-    obs = None if event["type"] == "DELETED" else reconcile.observe_node(body)
+    obs = None if event["type"] == "DELETED" else lifecycle.observe_node(body)
     before = state.nodes.pop(name, None) if obs is None else state.nodes.get(name)
     if obs is not None:
         state.nodes[name] = obs
@@ -340,7 +342,7 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
     semaphore as "running" and then runs again for them). Jobs with pods still to create go
     first (`resync.pick`). The loop sleeps until the next due time, an event, or a free slot.
     """
-    log = logging.getLogger("rljob_operator.resync")
+    log = logging.getLogger("rljob_operator.kube.resync")
     running: dict[str, asyncio.Task[None]] = {}
     due = state.due
 

@@ -3,7 +3,7 @@
 Role: every name the operator gives a Kubernetes object and every label it relies on is built here,
 so builders, handlers, tests and the trainer contract (docs/contracts.md §2, §3) agree. Pure: no
 clock, no env, no API. Callers: `rljob_operator.builders`, `rljob_operator.handlers`,
-`rljob_operator.status`, tests.
+`rljob_operator.reconcile.status`, tests.
 
 Name rules: pod hostnames and the headless Service name must be RFC 1035 labels (at most 63
 characters), because `<job>-trainer-0.<job>.<ns>.svc` is how the Ray workers find the head.

@@ -308,7 +308,7 @@ def test_example_manifest_is_accepted_by_the_apiserver(
     """Every example passes the CRD's schema and CEL rules server-side and plans offline."""
     cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
     plan = subprocess.run(
-        [sys.executable, "-m", "rljob_operator.cli", "plan", "-f", str(path), "-o", "json"],
+        [sys.executable, "-m", "rljob_operator.cli.commands", "plan", "-f", str(path), "-o", "json"],
         capture_output=True,
         text=True,
         timeout=120,

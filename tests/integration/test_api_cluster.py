@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import rljob_api_cases as cases
 
-from rljob_operator import api, crd
+from rljob_operator import api
+from rljob_operator.api import crd
 
 pytestmark = pytest.mark.cluster
 

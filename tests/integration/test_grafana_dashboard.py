@@ -1,6 +1,6 @@
 """The Grafana dashboard queries only metrics the code really exports.
 
-Operator series come from `rljob_operator.metrics.REGISTRY` (counters export `_total`, histograms
+Operator series come from `rljob_operator.kube.metrics.REGISTRY` (counters export `_total`, histograms
 `_bucket`/`_sum`/`_count`). Trainer series are scraped from a real driver's Prometheus endpoint
 after two GRPO steps of the tiny model, so a renamed or dropped driver metric fails here.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from trainer_configs import toy_config
 
-from rljob_operator import metrics
+from rljob_operator.kube import metrics
 from rljob_trainer import driver, telemetry_sink
 
 pytestmark = [pytest.mark.torch]

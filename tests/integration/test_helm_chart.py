@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator import crd
+from rljob_operator.api import crd
 from rljob_operator.builders import rbac
 from testenv.waiting import wait_for
 
@@ -66,7 +66,7 @@ CLUSTER_RULES: Rules = {
     ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
     ("scheduling.k8s.io", "priorityclasses"): {"get"},
 }
-# Leader election (operator/rljob_operator/leader.py), in the release namespace only.
+# Leader election (operator/rljob_operator/kube/leader.py), in the release namespace only.
 LEASE_RULES: Rules = {("coordination.k8s.io", "leases"): {"create", "get", "update"}}
 # Only with a namespace list: kopf follows those namespaces (all-namespaces mode never reads them).
 ONE_NAMESPACE_CLUSTER_RULES: Rules = {**CLUSTER_RULES, ("", "namespaces"): {"list", "watch"}}

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from test_helm_chart import CHART, env_of, free_port, helm_ok, one, operator_process, render
 
-from rljob_operator import pools
+from rljob_operator.decide import pools
 from testenv.waiting import wait_for
 
 pytestmark = [pytest.mark.cluster]

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator import leader, names
+from rljob_operator import names
+from rljob_operator.kube import leader
 from testenv.cluster import free_port
 from testenv.waiting import wait_for
 

@@ -334,7 +334,7 @@ def test_pod_failure_restarts_with_backoff_then_fails_at_the_limit(
 
 
 def _api_requests() -> float:
-    from rljob_operator import metrics
+    from rljob_operator.kube import metrics
 
     return sum(
         sample.value
@@ -345,7 +345,7 @@ def _api_requests() -> float:
 
 
 def _reconciles() -> float:
-    from rljob_operator import metrics
+    from rljob_operator.kube import metrics
 
     return sum(
         sample.value

@@ -21,7 +21,8 @@ from trainer_configs import toy_config
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from rljob_trainer import config, driver, lora_adapter, modeling, rollout_pipeline, weight_sync  # noqa: E402
+from rljob_trainer import config, driver, lora_adapter, modeling  # noqa: E402
+from rljob_trainer.rollout import pipeline, weight_sync  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 
@@ -162,7 +163,7 @@ def test_the_driver_sends_a_vllm_lora_engine_only_the_adapter_never_full_weights
     cfg = _cfg(LORAS[0])
     d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
     name = "dedicated-0"
-    d.engines[name] = rollout_pipeline.EngineState(name, None, False, 0)
+    d.engines[name] = pipeline.EngineState(name, None, False, 0)
     d.weight_transfer[name] = d._transfer_choice(colocated=False)
     assert d.weight_transfer[name].path == weight_sync.PATH_VLLM_LORA
     assert d._what_to_send(name) == weight_sync.SEND_ADAPTER

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.admission: Kueue's Workloads read and written, purely.
+"""Unit tests for rljob_operator.decide.admission: Kueue's Workloads read and written, purely.
 
 What the admission step relies on: a Workload's conditions read as Kueue means them (Admitted but
 Evicted is not admitted; eviction and preemption stay readable), flavors turned into the pods'
@@ -17,7 +17,9 @@ from test_builders import make_spec as builders_spec
 from test_builders import static_plan
 from test_builders_workload import JOB, job_pods, make_spec
 
-from rljob_operator import admission, api, builders, names, reconcile, status
+from rljob_operator import api, builders, names
+from rljob_operator.decide import admission, lifecycle
+from rljob_operator.reconcile import status
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -245,7 +247,7 @@ def test_status_is_queued_without_pods_and_admitted_after() -> None:
 
     wl = state(ADMITTED, assignments=[{"name": "trainer", "flavors": {"nvidia.com/gpu": "gpu-a"}}])
     running = [
-        reconcile.PodObservation(
+        lifecycle.PodObservation(
             name=f"demo-trainer-{i}", role="trainer", index=i, phase="Running", attempt=0, template_hash="h"
         )
         for i in range(layout.trainer_pods)

@@ -23,7 +23,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rljob_operator import api, crd
+from rljob_operator import api
+from rljob_operator.api import crd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_CRD = REPO_ROOT / "crds" / crd.CRD_FILENAME
@@ -40,12 +41,12 @@ def _crd_schema() -> dict[str, Any]:
     return crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
-def _rule_models() -> list[type[api._Model]]:
+def _rule_models() -> list[type[api.base._Model]]:
     found = [
         obj
         for obj in vars(api).values()
         if isinstance(obj, type)
-        and issubclass(obj, api._Model)
+        and issubclass(obj, api.base._Model)
         and "cel_rules" in vars(obj)
         and obj.cel_rules
     ]
@@ -376,7 +377,7 @@ def _model_strategy(model: type[pydantic.BaseModel], depth: int = 0) -> st.Searc
 
 
 @pytest.mark.parametrize("model", _rule_models(), ids=lambda m: m.__name__)
-def test_cel_and_python_checks_agree(model: type[api._Model]) -> None:
+def test_cel_and_python_checks_agree(model: type[api.base._Model]) -> None:
     celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CEL rules offline")
     env = celpy.Environment()
     programs = [(rule, env.program(env.compile(rule.rule))) for rule in model.cel_rules]

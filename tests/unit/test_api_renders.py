@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_builders import JOB, static_plan
 
-from rljob_operator import api, builders, errors, planning
+from rljob_operator import api, builders, errors
+from rljob_operator.decide import planning
 from rljob_operator.estimator import load_preset
 from rljob_trainer import config as tc
 

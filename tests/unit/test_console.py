@@ -1,10 +1,10 @@
-"""`rljob status` rendering (`rljob_operator.console`): pure objects in, text out."""
+"""`rljob status` rendering (`rljob_operator.cli.console`): pure objects in, text out."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from rljob_operator import cli, console
+from rljob_operator.cli import commands, console
 from rljob_trainer import telemetry
 
 NOW = datetime(2026, 12, 1, 8, 0, 0, tzinfo=timezone.utc)
@@ -82,9 +82,9 @@ def test_empty_history_says_so() -> None:
 
 
 def test_cli_registers_status_and_logs() -> None:
-    args = cli.build_parser().parse_args(["status", "tiny-cpu", "-n", "x", "-o", "json"])
+    args = commands.build_parser().parse_args(["status", "tiny-cpu", "-n", "x", "-o", "json"])
     assert args.func is console.cmd_status and args.namespace == "x" and args.output == "json"
-    args = cli.build_parser().parse_args(["logs", "tiny-cpu", "--pod", "trainer-1", "-f"])
+    args = commands.build_parser().parse_args(["logs", "tiny-cpu", "--pod", "trainer-1", "-f"])
     assert (
         args.func is console.cmd_logs
         and args.follow

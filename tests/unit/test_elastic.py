@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.elastic: two-phase scale-down and lone replacement of rollout pods."""
+"""Unit tests for rljob_operator.decide.elastic: two-phase scale-down and lone replacement of rollout pods."""
 
 from __future__ import annotations
 
@@ -6,19 +6,20 @@ import dataclasses
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from rljob_operator import api, elastic, names, reconcile
+from rljob_operator import api, names
+from rljob_operator.decide import elastic, lifecycle
 from rljob_trainer.telemetry import SyncReport
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 
-def pod(index: int, phase: str = "Running", **kw: Any) -> reconcile.PodObservation:
+def pod(index: int, phase: str = "Running", **kw: Any) -> lifecycle.PodObservation:
     name = names.pod_name("demo", names.ROLE_ROLLOUT, index)
-    return reconcile.PodObservation(name, names.ROLE_ROLLOUT, index, phase, 0, "h", **kw)
+    return lifecycle.PodObservation(name, names.ROLE_ROLLOUT, index, phase, 0, "h", **kw)
 
 
-def trainer(index: int) -> reconcile.PodObservation:
-    return reconcile.PodObservation(f"demo-trainer-{index}", names.ROLE_TRAINER, index, "Running", 0, "h")
+def trainer(index: int) -> lifecycle.PodObservation:
+    return lifecycle.PodObservation(f"demo-trainer-{index}", names.ROLE_TRAINER, index, "Running", 0, "h")
 
 
 def report(
@@ -33,7 +34,7 @@ def report(
     )  # fmt: skip
 
 
-def plan(pods: list[reconcile.PodObservation], **kw: Any) -> elastic.RolloutPodsPlan:
+def plan(pods: list[lifecycle.PodObservation], **kw: Any) -> elastic.RolloutPodsPlan:
     args: dict[str, Any] = {
         "attempt": 0, "target": 1, "draining": [], "reports": [], "grace_s": 300, "now": T0, **kw,
     }  # fmt: skip

@@ -1,4 +1,4 @@
-"""The operator's API pool (rljob_operator.kube.PriorityPool): pod creates before status writes
+"""The operator's API pool (rljob_operator.kube.adapter.PriorityPool): pod creates before status writes
 before Events, in order among equals; and which calls get which priority."""
 
 from __future__ import annotations
@@ -7,22 +7,22 @@ import threading
 
 import pytest
 
-from rljob_operator import kube
+from rljob_operator.kube import adapter
 
 
 def test_waiting_calls_run_most_urgent_first_and_in_order_among_equals() -> None:
-    pool = kube.PriorityPool(1)
+    pool = adapter.PriorityPool(1)
     gate, ran = threading.Event(), []
     try:
-        blocker = pool.submit(kube.PRIORITY_WORK, gate.wait)  # the one thread is busy
+        blocker = pool.submit(adapter.PRIORITY_WORK, gate.wait)  # the one thread is busy
         futures = [
             pool.submit(prio, lambda what=what: ran.append(what))
             for prio, what in [
-                (kube.PRIORITY_EVENT, "event"),
-                (kube.PRIORITY_STATUS, "status-1"),
-                (kube.PRIORITY_WORK, "pod-1"),
-                (kube.PRIORITY_STATUS, "status-2"),
-                (kube.PRIORITY_WORK, "pod-2"),
+                (adapter.PRIORITY_EVENT, "event"),
+                (adapter.PRIORITY_STATUS, "status-1"),
+                (adapter.PRIORITY_WORK, "pod-1"),
+                (adapter.PRIORITY_STATUS, "status-2"),
+                (adapter.PRIORITY_WORK, "pod-2"),
             ]
         ]
         gate.set()
@@ -34,28 +34,28 @@ def test_waiting_calls_run_most_urgent_first_and_in_order_among_equals() -> None
 
 
 def test_a_failing_call_hands_its_exception_to_the_caller_and_the_pool_goes_on() -> None:
-    pool = kube.PriorityPool(1)
+    pool = adapter.PriorityPool(1)
     try:
         with pytest.raises(ZeroDivisionError):
-            pool.submit(kube.PRIORITY_WORK, lambda: 1 / 0).result(timeout=5)
-        assert pool.submit(kube.PRIORITY_WORK, lambda: 42).result(timeout=5) == 42
+            pool.submit(adapter.PRIORITY_WORK, lambda: 1 / 0).result(timeout=5)
+        assert pool.submit(adapter.PRIORITY_WORK, lambda: 42).result(timeout=5) == 42
     finally:
         pool.shutdown()
 
 
 def test_events_go_last_and_rljob_status_writes_after_the_work() -> None:
-    assert kube.priority_of("create", "Event") == kube.PRIORITY_EVENT
-    assert kube.priority_of("patch", "RLJob") == kube.PRIORITY_STATUS
+    assert adapter.priority_of("create", "Event") == adapter.PRIORITY_EVENT
+    assert adapter.priority_of("patch", "RLJob") == adapter.PRIORITY_STATUS
     for verb, kind in [("create", "Pod"), ("delete", "Pod"), ("create", "ServiceAccount"), ("get", "RLJob")]:
-        assert kube.priority_of(verb, kind) == kube.PRIORITY_WORK
+        assert adapter.priority_of(verb, kind) == adapter.PRIORITY_WORK
 
 
 def test_a_call_after_shutdown_raises_instead_of_waiting_forever() -> None:
     """An operator stopping with a reconcile or Event post still running must not hang on a call
     no thread will ever run (what made kopf's runner time out: "The operator didn't stop")."""
-    pool = kube.PriorityPool(1)
-    queued = pool.submit(kube.PRIORITY_WORK, lambda: "queued before")
+    pool = adapter.PriorityPool(1)
+    queued = pool.submit(adapter.PRIORITY_WORK, lambda: "queued before")
     pool.shutdown()
     assert queued.result(timeout=5) == "queued before"
     with pytest.raises(RuntimeError, match="after the pool shut down"):
-        pool.submit(kube.PRIORITY_EVENT, lambda: None)
+        pool.submit(adapter.PRIORITY_EVENT, lambda: None)

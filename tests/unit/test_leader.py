@@ -1,4 +1,4 @@
-"""The pure rules of Lease leader election (`rljob_operator.leader`): who may take the Lease, what a
+"""The pure rules of Lease leader election (`rljob_operator.kube.leader`): who may take the Lease, what a
 holder writes, where the Lease lives. The elector against the real apiserver is in
 tests/integration/test_leader_election.py."""
 
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rljob_operator import cli, leader
+from rljob_operator.cli import commands
+from rljob_operator.kube import leader
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 T1 = T0 + datetime.timedelta(seconds=2)
@@ -104,7 +105,7 @@ def test_a_holder_that_cannot_renew_gives_up_within_the_renew_deadline() -> None
 
 
 def test_rljob_operator_elects_by_default_and_can_opt_out() -> None:
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     default = parser.parse_args(["operator"])
     assert default.leader_election is True and default.leader_election_namespace is None
     dev = parser.parse_args(["operator", "--no-leader-election", "--leader-election-namespace", "ops"])

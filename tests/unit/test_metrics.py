@@ -1,11 +1,11 @@
-"""Unit tests for rljob_operator.metrics: the phase gauge and the one-server-per-port guard."""
+"""Unit tests for rljob_operator.kube.metrics: the phase gauge and the one-server-per-port guard."""
 
 from __future__ import annotations
 
 import socket
 import urllib.request
 
-from rljob_operator import metrics
+from rljob_operator.kube import metrics
 
 
 def _free_port() -> int:

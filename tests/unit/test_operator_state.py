@@ -1,16 +1,16 @@
-"""What the operator's watches remember between reconciles (rljob_operator.state.State)."""
+"""What the operator's watches remember between reconciles (rljob_operator.reconcile.state.State)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from rljob_operator import reconcile
-from rljob_operator.state import State
+from rljob_operator.decide import lifecycle
+from rljob_operator.reconcile.state import State
 
 
-def _pod(**changes: Any) -> reconcile.PodObservation:
-    base = reconcile.PodObservation(
+def _pod(**changes: Any) -> lifecycle.PodObservation:
+    base = lifecycle.PodObservation(
         name="j-trainer-0", role="trainer", index=0, phase="Pending", attempt=0, template_hash="h"
     )
     return dataclasses.replace(base, **changes)

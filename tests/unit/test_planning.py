@@ -1,4 +1,4 @@
-"""The spec → estimator adapter (`rljob_operator.planning`)."""
+"""The spec → estimator adapter (`rljob_operator.decide.planning`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob_operator import api, planning
+from rljob_operator import api
+from rljob_operator.decide import planning
 from rljob_operator.estimator import EstimatorError
 
 REPO = Path(__file__).resolve().parents[2]

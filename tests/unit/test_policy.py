@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.policy: every branch of decide(), its invariants, and the seed's
+"""Unit tests for rljob_operator.decide.policy: every branch of decide(), its invariants, and the seed's
 blind spot (generation that finished before the sync instant)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rljob_operator import policy
+from rljob_operator.decide import policy
 from rljob_trainer import telemetry
 
 INTERVAL_S = 100.0

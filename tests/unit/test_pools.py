@@ -1,4 +1,4 @@
-"""Node-pool defaults (`rljob_operator.pools`): which pool a job gets and what it fills in."""
+"""Node-pool defaults (`rljob_operator.decide.pools`): which pool a job gets and what it fills in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from test_builders import JOB, make_spec, static_plan
 
-from rljob_operator import api, builders, errors, planning, pools
+from rljob_operator import api, builders, errors
+from rljob_operator.decide import planning, pools
 
 ASCEND_POOL: dict[str, Any] = {
     "acceleratorKinds": ["ascend"],

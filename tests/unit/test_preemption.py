@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.preemption: cooperative preemption, decided purely.
+"""Unit tests for rljob_operator.decide.preemption: cooperative preemption, decided purely.
 
 The sequence a Kueue eviction walks through (request, wait, stop, release), each edge of it
 (acknowledged, grace expired, grace 0, the driver not running, a lost status write), that a
@@ -10,8 +10,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from rljob_operator import admission, api, builders, names, preemption, status
-from rljob_operator.reconcile import PodObservation
+from rljob_operator import api, builders, names
+from rljob_operator.decide import admission, preemption
+from rljob_operator.decide.lifecycle import PodObservation
+from rljob_operator.reconcile import status
 from rljob_trainer import telemetry
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.reconcile: observations, outcomes, the pod diff, backoff, capacity."""
+"""Unit tests for rljob_operator.decide.lifecycle: observations, outcomes, the pod diff, backoff, capacity."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_builders import JOB, make_spec, static_plan
 
-from rljob_operator import api, builders, errors, names, reconcile
+from rljob_operator import api, builders, errors, names
+from rljob_operator.decide import lifecycle
 
 
 def obs(
     name: str, phase: str = "Running", attempt: int = 0, h: str = "", deleting: bool = False
-) -> reconcile.PodObservation:
+) -> lifecycle.PodObservation:
     role, index = names.parse_pod_name("demo", name) or ("trainer", 0)
-    return reconcile.PodObservation(name, role, index, phase, attempt, h, deleting=deleting)
+    return lifecycle.PodObservation(name, role, index, phase, attempt, h, deleting=deleting)
 
 
 def desired(attempt: int = 0, dedicated: int | None = None) -> list[dict[str, Any]]:
@@ -27,10 +28,10 @@ def desired(attempt: int = 0, dedicated: int | None = None) -> list[dict[str, An
     return builders.build_pods(JOB, spec, layout, attempt=attempt)
 
 
-def observed_from(pods: list[dict[str, Any]], phase: str = "Running") -> list[reconcile.PodObservation]:
+def observed_from(pods: list[dict[str, Any]], phase: str = "Running") -> list[lifecycle.PodObservation]:
     out = []
     for p in pods:
-        o = reconcile.observe_pod({**p, "status": {"phase": phase}})
+        o = lifecycle.observe_pod({**p, "status": {"phase": phase}})
         assert o is not None
         out.append(o)
     return out
@@ -40,21 +41,21 @@ def test_pods_of_an_earlier_job_of_the_same_name_are_told_apart_by_their_owner_u
     """Only pods whose controller ownerReference is this RLJob's uid are its own; an earlier RLJob's
     (same name, deleted, not yet collected) and orphans (--cascade=orphan) are leftovers."""
 
-    def owned(pod: dict[str, Any], uid: str | None) -> reconcile.PodObservation:
+    def owned(pod: dict[str, Any], uid: str | None) -> lifecycle.PodObservation:
         refs = [] if uid is None else [{"kind": "RLJob", "name": "demo", "uid": uid, "controller": True}]
         other = [{"kind": "Other", "name": "x", "uid": "not-a-controller"}]
-        o = reconcile.observe_pod({**pod, "metadata": {**pod["metadata"], "ownerReferences": other + refs}})
+        o = lifecycle.observe_pod({**pod, "metadata": {**pod["metadata"], "ownerReferences": other + refs}})
         assert o is not None
         return o
 
     a, b, c = desired()[:3]
     pods = [owned(a, "new"), owned(b, "old"), owned(c, None)]
     assert [p.owner_uid for p in pods] == ["new", "old", None]
-    assert [p.name for p in reconcile.left_by_earlier_job(pods, "new")] == [
+    assert [p.name for p in lifecycle.left_by_earlier_job(pods, "new")] == [
         b["metadata"]["name"],
         c["metadata"]["name"],
     ]
-    assert reconcile.left_by_earlier_job(pods[:1], "new") == []
+    assert lifecycle.left_by_earlier_job(pods[:1], "new") == []
 
 
 def test_observe_pod_reads_labels_annotations_and_exit_code() -> None:
@@ -68,11 +69,11 @@ def test_observe_pod_reads_labels_annotations_and_exit_code() -> None:
             "containerStatuses": [{"state": {"terminated": {"exitCode": 3, "reason": "Error"}}}],
         },
     }
-    o = reconcile.observe_pod(pod)
+    o = lifecycle.observe_pod(pod)
     assert o is not None
     assert (o.name, o.role, o.index, o.phase, o.attempt) == ("demo-trainer-0", "trainer", 0, "Failed", 0)
     assert o.exit_code == 3 and o.message == "Error" and o.deleting and o.node_name == "n1"
-    assert reconcile.observe_pod({"metadata": {"labels": {"app": "x"}}}) is None
+    assert lifecycle.observe_pod({"metadata": {"labels": {"app": "x"}}}) is None
 
 
 def test_observe_node() -> None:
@@ -84,22 +85,22 @@ def test_observe_node() -> None:
             "conditions": [{"type": "Ready", "status": "True"}],
         },
     }
-    n = reconcile.observe_node(node)
+    n = lifecycle.observe_node(node)
     assert (
         n.schedulable and n.taints == (("k", "v", "NoSchedule"),) and n.allocatable["nvidia.com/gpu"] == "8"
     )
-    assert not reconcile.observe_node({**node, "spec": {"unschedulable": True}}).schedulable
+    assert not lifecycle.observe_node({**node, "spec": {"unschedulable": True}}).schedulable
 
 
 RP = api.RestartPolicySpec(backoff_limit=3, initial_backoff_seconds=10, max_backoff_seconds=35)
 
 
-def decide(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
+def decide(pods: list[lifecycle.PodObservation], **kw: object) -> lifecycle.RestartDecision:
     args: dict[str, object] = {
         "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None, "policy": RP,
         "node_names": frozenset({"n1"}), **kw,
     }  # fmt: skip
-    return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
+    return lifecycle.decide_restart(pods, **args)  # type: ignore[arg-type]
 
 
 def test_decide_restart_success_failure_and_older_attempts() -> None:
@@ -182,7 +183,7 @@ def test_observe_pod_reads_pod_level_causes() -> None:
             ],
         },
     }
-    o = reconcile.observe_pod(pending)
+    o = lifecycle.observe_pod(pending)
     assert o is not None and o.unschedulable == "0/3 nodes"
     assert o.waiting_reason == "CreateContainerConfigError" and 'secret "hf"' in o.waiting_message
     evicted = {
@@ -199,7 +200,7 @@ def test_observe_pod_reads_pod_level_causes() -> None:
             ],
         },
     }
-    e = reconcile.observe_pod(evicted)
+    e = lifecycle.observe_pod(evicted)
     assert e is not None and e.disruption.startswith("EvictionByEvictionAPI")
     done = {
         **base,
@@ -215,27 +216,27 @@ def test_observe_pod_reads_pod_level_causes() -> None:
             ],
         },
     }
-    d = reconcile.observe_pod(done)
+    d = lifecycle.observe_pod(done)
     assert d is not None and d.termination_message == "dataset not found" and d.message == "dataset not found"
 
 
 def test_check_claims_names_the_claim_and_the_fix() -> None:
-    uses = [reconcile.ClaimUse("spec.checkpoint.volume.claimName", "ckpt", 2, False)]
+    uses = [lifecycle.ClaimUse("spec.checkpoint.volume.claimName", "ckpt", 2, False)]
     with pytest.raises(errors.ClaimNotFoundError, match=r"'ckpt' .*not found"):
-        reconcile.check_claims(uses, {"ckpt": None}, "ns")
+        lifecycle.check_claims(uses, {"ckpt": None}, "ns")
     rwo = {"spec": {"accessModes": ["ReadWriteOnce"]}}
     with pytest.raises(errors.ClaimAccessModeError, match="ReadWriteMany"):
-        reconcile.check_claims(uses, {"ckpt": rwo}, "ns")
-    reconcile.check_claims(uses, {"ckpt": {"spec": {"accessModes": ["ReadWriteMany"]}}}, "ns")
+        lifecycle.check_claims(uses, {"ckpt": rwo}, "ns")
+    lifecycle.check_claims(uses, {"ckpt": {"spec": {"accessModes": ["ReadWriteMany"]}}}, "ns")
     one = [dataclasses.replace(uses[0], pods=1)]
-    reconcile.check_claims(one, {"ckpt": rwo}, "ns")  # one pod: any mode mounts
-    model = [reconcile.ClaimUse("spec.model.source.pvc.claimName", "m", 3, True)]
-    reconcile.check_claims(model, {"m": {"spec": {"accessModes": ["ReadOnlyMany"]}}}, "ns")
+    lifecycle.check_claims(one, {"ckpt": rwo}, "ns")  # one pod: any mode mounts
+    model = [lifecycle.ClaimUse("spec.model.source.pvc.claimName", "m", 3, True)]
+    lifecycle.check_claims(model, {"m": {"spec": {"accessModes": ["ReadOnlyMany"]}}}, "ns")
 
 
 def test_diff_creates_missing_in_index_order() -> None:
     want = desired()
-    d = reconcile.diff_pods(want, [], 0)
+    d = lifecycle.diff_pods(want, [], 0)
     assert [p["metadata"]["name"] for p in d.create] == [
         "demo-trainer-0",
         "demo-trainer-1",
@@ -243,57 +244,57 @@ def test_diff_creates_missing_in_index_order() -> None:
         "demo-rollout-1",
     ]
     assert d.delete == () and d.waiting == ()
-    assert reconcile.diff_pods(want, observed_from(want), 0) == reconcile.PodDiff()
+    assert lifecycle.diff_pods(want, observed_from(want), 0) == lifecycle.PodDiff()
 
 
 def test_diff_stale_attempt_waits_for_termination() -> None:
     old = observed_from(desired(attempt=0))
-    d = reconcile.diff_pods(desired(attempt=1), old, 1)
+    d = lifecycle.diff_pods(desired(attempt=1), old, 1)
     assert set(d.delete) == {p.name for p in old} and d.create == ()
     assert set(d.waiting) == {p.name for p in old}
-    terminating = [reconcile.PodObservation(**{**p.__dict__, "deleting": True}) for p in old]
-    d2 = reconcile.diff_pods(desired(attempt=1), terminating, 1)
+    terminating = [lifecycle.PodObservation(**{**p.__dict__, "deleting": True}) for p in old]
+    d2 = lifecycle.diff_pods(desired(attempt=1), terminating, 1)
     assert d2.delete == () and len(d2.waiting) == 4
 
 
 def test_diff_scale_down_and_up_of_rollout_pods() -> None:
     current = observed_from(desired())
-    down = reconcile.diff_pods(desired(dedicated=1), current, 0)
+    down = lifecycle.diff_pods(desired(dedicated=1), current, 0)
     assert down.delete == ("demo-rollout-1",) and down.create == ()
-    up = reconcile.diff_pods(desired(dedicated=3), current, 0)
+    up = lifecycle.diff_pods(desired(dedicated=3), current, 0)
     assert [p["metadata"]["name"] for p in up.create] == ["demo-rollout-2"] and up.delete == ()
 
 
 def test_diff_template_change_replaces_the_trainer_gang() -> None:
     want = desired()
     current = observed_from(want)
-    outdated = reconcile.PodObservation(**{**current[1].__dict__, "template_hash": "old"})
+    outdated = lifecycle.PodObservation(**{**current[1].__dict__, "template_hash": "old"})
     stale = [outdated, current[0], *current[2:]]
-    d = reconcile.diff_pods(want, stale, 0)
+    d = lifecycle.diff_pods(want, stale, 0)
     assert set(d.delete) == {"demo-trainer-0", "demo-trainer-1"}
 
 
 def test_pods_to_stop() -> None:
     pods = [obs("demo-trainer-0", "Succeeded"), obs("demo-rollout-0"), obs("demo-rollout-1", deleting=True)]
-    assert reconcile.pods_to_stop(pods, keep_finished=True) == ("demo-rollout-0",)
-    assert reconcile.pods_to_stop(pods, keep_finished=False) == ("demo-rollout-0", "demo-trainer-0")
+    assert lifecycle.pods_to_stop(pods, keep_finished=True) == ("demo-rollout-0",)
+    assert lifecycle.pods_to_stop(pods, keep_finished=False) == ("demo-rollout-0", "demo-trainer-0")
 
 
 def node(
     name: str, gpus: int, labels: dict[str, str] | None = None, taints: tuple[Any, ...] = ()
-) -> reconcile.NodeObservation:
-    return reconcile.NodeObservation(name, labels or {}, taints, {"nvidia.com/gpu": str(gpus)}, True)
+) -> lifecycle.NodeObservation:
+    return lifecycle.NodeObservation(name, labels or {}, taints, {"nvidia.com/gpu": str(gpus)}, True)
 
 
 def test_capacity_fits_and_fails_with_a_message_naming_the_fix() -> None:
     spec = make_spec()
     layout = builders.compute_layout(spec, static_plan(spec))
-    reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8), node("c", 8)])
+    lifecycle.check_capacity(spec, layout, [node("a", 8), node("b", 8), node("c", 8)])
     with pytest.raises(errors.InsufficientCapacityError) as info:
-        reconcile.check_capacity(spec, layout, [node("a", 8), node("b", 8)])
+        lifecycle.check_capacity(spec, layout, [node("a", 8), node("b", 8)])
     assert info.value.field == "spec.rolloutPool" and "add nodes" in info.value.message
     with pytest.raises(errors.InsufficientCapacityError, match="trainerPool"):
-        reconcile.check_capacity(spec, layout, [node("a", 4)] * 6)
+        lifecycle.check_capacity(spec, layout, [node("a", 4)] * 6)
 
 
 def test_capacity_respects_selectors_and_taints() -> None:
@@ -302,26 +303,26 @@ def test_capacity_respects_selectors_and_taints() -> None:
     )
     layout = builders.compute_layout(spec, static_plan(spec), 0)
     tainted = (("gpu", "yes", "NoSchedule"),)
-    reconcile.check_capacity(
+    lifecycle.check_capacity(
         spec, layout, [node("a", 8, {"pool": "t"}, tainted), node("b", 8, {"pool": "t"})]
     )
     with pytest.raises(errors.InsufficientCapacityError):
-        reconcile.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "x"})])
+        lifecycle.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "x"})])
     untolerated = (("other", None, "NoExecute"),)
     with pytest.raises(errors.InsufficientCapacityError):
-        reconcile.check_capacity(
+        lifecycle.check_capacity(
             spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "t"}, untolerated)]
         )
     soft = (("other", None, "PreferNoSchedule"),)
-    reconcile.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "t"}, soft)])
+    lifecycle.check_capacity(spec, layout, [node("a", 8, {"pool": "t"}), node("b", 8, {"pool": "t"}, soft)])
 
 
 def test_capacity_cpu_jobs_need_any_matching_node() -> None:
     spec = make_spec(**{"resources.accelerator": {"kind": "cpu"}})
     layout = builders.compute_layout(spec, static_plan(spec))
-    reconcile.check_capacity(spec, layout, [reconcile.NodeObservation("c", {}, (), {}, True)])
+    lifecycle.check_capacity(spec, layout, [lifecycle.NodeObservation("c", {}, (), {}, True)])
     with pytest.raises(errors.InsufficientCapacityError, match="schedulable"):
-        reconcile.check_capacity(spec, layout, [])
+        lifecycle.check_capacity(spec, layout, [])
 
 
 @settings(max_examples=60, deadline=None)
@@ -338,7 +339,7 @@ def test_capacity_cpu_jobs_need_any_matching_node() -> None:
 def test_diff_never_creates_a_name_that_exists(present: list[str], attempt: int, dedicated: int) -> None:
     pods = [obs(n, attempt=attempt % 2) for n in present]
     want = desired(attempt=attempt, dedicated=dedicated)
-    d = reconcile.diff_pods(want, pods, attempt)
+    d = lifecycle.diff_pods(want, pods, attempt)
     created = {p["metadata"]["name"] for p in d.create}
     assert not created & set(present)
     assert created | set(d.waiting) | {p.name for p in pods if p.name not in d.delete} >= {
@@ -364,9 +365,9 @@ def test_rollout_pods_never_decide_the_attempt() -> None:
 
 def test_diff_keeps_draining_pods_and_replaces_lost_ones() -> None:
     current = observed_from(desired())
-    kept = reconcile.diff_pods(desired(dedicated=1), current, 0, keep=["demo-rollout-1"])
-    assert kept == reconcile.PodDiff()
-    lost = reconcile.diff_pods(desired(), current, 0, replace=["demo-rollout-0"])
+    kept = lifecycle.diff_pods(desired(dedicated=1), current, 0, keep=["demo-rollout-1"])
+    assert kept == lifecycle.PodDiff()
+    lost = lifecycle.diff_pods(desired(), current, 0, replace=["demo-rollout-0"])
     assert lost.delete == ("demo-rollout-0",) and lost.create == () and lost.waiting == ("demo-rollout-0",)
     # the trainers are untouched by a rollout pod's replacement
     assert not any("trainer" in n for n in lost.delete)
@@ -375,7 +376,7 @@ def test_diff_keeps_draining_pods_and_replaces_lost_ones() -> None:
 def test_observe_pod_reads_the_creation_time() -> None:
     pod = desired()[0]
     pod = {**pod, "metadata": {**pod["metadata"], "creationTimestamp": "2026-01-01T00:00:10Z"}}
-    o = reconcile.observe_pod(pod)
+    o = lifecycle.observe_pod(pod)
     assert o is not None and o.created == 1767225610.0
 
 
@@ -387,7 +388,7 @@ def test_a_restart_backoff_counts_from_the_end_of_the_recorded_second() -> None:
     def at(s: float) -> datetime:
         return since + timedelta(seconds=s)
 
-    assert reconcile.restart_wait_s(since, False, 1, RP, at(0)) == 11.0
-    assert reconcile.restart_wait_s(since, False, 1, RP, at(10)) == 1.0
-    assert reconcile.restart_wait_s(since, False, 1, RP, at(11)) == 0.0
-    assert reconcile.restart_wait_s(since, True, 1, RP, at(0)) == 0.0  # a disruption: at once
+    assert lifecycle.restart_wait_s(since, False, 1, RP, at(0)) == 11.0
+    assert lifecycle.restart_wait_s(since, False, 1, RP, at(10)) == 1.0
+    assert lifecycle.restart_wait_s(since, False, 1, RP, at(11)) == 0.0
+    assert lifecycle.restart_wait_s(since, True, 1, RP, at(0)) == 0.0  # a disruption: at once

@@ -9,13 +9,14 @@ import pytest
 import yaml
 from test_api_renders import EXAMPLES
 
-from rljob_operator import api, cli, names
+from rljob_operator import api, names
+from rljob_operator.cli import commands
 from rljob_trainer import config as tc
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_renders_all_its_objects(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["render", "-f", str(path), "-o", "json"]) == 0
+    assert commands.main(["render", "-f", str(path), "-o", "json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["kind"] == "List"
     kinds = [o["kind"] for o in listing["items"]]
@@ -29,17 +30,17 @@ def test_every_example_renders_all_its_objects(path: Path, capsys: pytest.Captur
 
 def test_render_only_and_yaml(capsys: pytest.CaptureFixture[str]) -> None:
     tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml")
-    assert cli.main(["render", "-f", tiny, "--only", "pods", "-n", "team-a"]) == 0
+    assert commands.main(["render", "-f", tiny, "--only", "pods", "-n", "team-a"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert (
         docs
         and {d["kind"] for d in docs} == {"Pod"}
         and {d["metadata"]["namespace"] for d in docs} == {"team-a"}
     )
-    assert cli.main(["render", "-f", tiny, "--only", "trainer-config", "-o", "json"]) == 0
+    assert commands.main(["render", "-f", tiny, "--only", "trainer-config", "-o", "json"]) == 0
     cfg = tc.TrainerConfig.model_validate(json.loads(capsys.readouterr().out))
     assert cfg.distributed.device == "cpu"
-    assert cli.main(["render", "-f", tiny, "--only", "rbac"]) == 0
+    assert commands.main(["render", "-f", tiny, "--only", "rbac"]) == 0
     assert {d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)} == {
         "ServiceAccount",
         "Role",
@@ -56,7 +57,7 @@ def test_render_reports_estimator_errors_with_their_reason(
     del doc["spec"]["model"]["config"]["inline"]["num_attention_heads"]
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(doc))
-    assert cli.main(["render", "-f", str(path)]) == 2
+    assert commands.main(["render", "-f", str(path)]) == 2
     err = capsys.readouterr().err
     assert "InvalidModelConfig" in err and "num_attention_heads" in err
 
@@ -68,11 +69,11 @@ def test_render_gang_adds_the_pod_group_and_the_pods_scheduling_group(
     PodGroup before the pods, its minCount the trainer pods plus the plan's rollout pods, each of
     them naming it; without the flag, the plain pods (a cluster without the API)."""
     path = str(Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b-ascend-910b.yaml")
-    assert cli.main(["render", "-f", path, "-o", "json"]) == 0
+    assert commands.main(["render", "-f", path, "-o", "json"]) == 0
     plain = json.loads(capsys.readouterr().out)["items"]
     assert "PodGroup" not in {o["kind"] for o in plain}
     assert all("schedulingGroup" not in o["spec"] for o in plain if o["kind"] == "Pod")
-    assert cli.main(["render", "-f", path, "-o", "json", "--gang"]) == 0
+    assert commands.main(["render", "-f", path, "-o", "json", "--gang"]) == 0
     items = json.loads(capsys.readouterr().out)["items"]
     kinds = [o["kind"] for o in items]
     (group,) = [o for o in items if o["kind"] == "PodGroup"]
@@ -90,6 +91,6 @@ def test_render_gang_adds_the_pod_group_and_the_pods_scheduling_group(
         else o
         for o in plain
     ]
-    assert cli.main(["render", "-f", path, "--only", "pods", "--gang", "-o", "json"]) == 0
+    assert commands.main(["render", "-f", path, "--only", "pods", "--gang", "-o", "json"]) == 0
     only = json.loads(capsys.readouterr().out)["items"]
     assert {o["kind"] for o in only} == {"Pod"} and all(o["spec"]["schedulingGroup"] for o in only)

@@ -1,4 +1,4 @@
-"""The resync loop's scheduling core (rljob_operator.resync): due times, wake-ups, jitter, freshness."""
+"""The resync loop's scheduling core (rljob_operator.kube.resync): due times, wake-ups, jitter, freshness."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rljob_operator import resync
+from rljob_operator.kube import resync
 
 
 def test_an_event_during_a_reconcile_runs_it_again_right_after() -> None:

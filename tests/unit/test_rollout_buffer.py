@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.rollout_buffer: the staleness bound, drop vs regenerate, counters,
+"""Unit tests for rljob_trainer.rollout.buffer: the staleness bound, drop vs regenerate, counters,
 and the admission budget that keeps an in-order pipeline from producing stale items at all."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_trainer import rollout_buffer
-from rljob_trainer.rollout_buffer import StalenessBuffer
+from rljob_trainer.rollout import buffer
+from rljob_trainer.rollout.buffer import StalenessBuffer
 
 
 def test_synchronous_bound_trains_only_on_the_current_weights() -> None:
@@ -83,10 +83,10 @@ def test_bad_settings_are_refused(kwargs: dict[str, object], message: str) -> No
 
 def test_submit_budget_allows_max_staleness_steps_ahead() -> None:
     # 4 items per step: at version 0 with one-step-off, steps 0 and 1 may be generated.
-    assert rollout_buffer.submit_budget(trainer_version=0, max_staleness=1, items_per_step=4, started=0) == 8
-    assert rollout_buffer.submit_budget(trainer_version=0, max_staleness=0, items_per_step=4, started=4) == 0
-    assert rollout_buffer.submit_budget(trainer_version=3, max_staleness=0, items_per_step=4, started=12) == 4
-    assert rollout_buffer.submit_budget(trainer_version=0, max_staleness=0, items_per_step=4, started=9) == 0
+    assert buffer.submit_budget(trainer_version=0, max_staleness=1, items_per_step=4, started=0) == 8
+    assert buffer.submit_budget(trainer_version=0, max_staleness=0, items_per_step=4, started=4) == 0
+    assert buffer.submit_budget(trainer_version=3, max_staleness=0, items_per_step=4, started=12) == 4
+    assert buffer.submit_budget(trainer_version=0, max_staleness=0, items_per_step=4, started=9) == 0
 
 
 def run_pipeline(
@@ -99,7 +99,7 @@ def run_pipeline(
     version = started = tick = 0
     while version < steps and tick < 10_000:
         if eager is None:
-            budget = rollout_buffer.submit_budget(
+            budget = buffer.submit_budget(
                 trainer_version=version,
                 max_staleness=max_staleness,
                 items_per_step=items_per_step,

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_operator.status: every situation's phase and conditions, the reason table,
+"""Unit tests for rljob_operator.reconcile.status: every situation's phase and conditions, the reason table,
 transition times, change detection and the Event rate limit."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_builders import make_spec, static_plan
 
-from rljob_operator import api, builders, errors, reconcile, status
+from rljob_operator import api, builders, errors
+from rljob_operator.decide import lifecycle
+from rljob_operator.reconcile import status
 from rljob_trainer.telemetry import SyncReport
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -22,8 +24,8 @@ PLAN = static_plan(SPEC)
 LAYOUT = builders.compute_layout(SPEC, PLAN)
 
 
-def pod(name: str, phase: str = "Running", role: str = "trainer", index: int = 0) -> reconcile.PodObservation:
-    return reconcile.PodObservation(name, role, index, phase, 0, "")
+def pod(name: str, phase: str = "Running", role: str = "trainer", index: int = 0) -> lifecycle.PodObservation:
+    return lifecycle.PodObservation(name, role, index, phase, 0, "")
 
 
 ALL_RUNNING = [
@@ -48,12 +50,12 @@ def cond(st_: api.RLJobStatus, type_: str) -> api.Condition:
     return c
 
 
-def decision(pods: list[reconcile.PodObservation], **kw: object) -> reconcile.RestartDecision:
+def decision(pods: list[lifecycle.PodObservation], **kw: object) -> lifecycle.RestartDecision:
     args: dict[str, object] = {
         "attempt": 0, "failures": 0, "disruptions": 0, "last_failure": None,
         "policy": SPEC.restart_policy, **kw,
     }  # fmt: skip
-    return reconcile.decide_restart(pods, **args)  # type: ignore[arg-type]
+    return lifecycle.decide_restart(pods, **args)  # type: ignore[arg-type]
 
 
 def test_progressing_pending_then_running_keeps_transition_times() -> None:
@@ -139,7 +141,7 @@ def test_suspend_succeed_fail() -> None:
     )
     ok = compute(decision=decision([pod("demo-trainer-0", "Succeeded")]))
     assert ok.phase == "Succeeded" and cond(ok, "Complete").status == "True" and ok.completion_time == T0
-    failed_pod = reconcile.PodObservation("demo-trainer-1", "trainer", 1, "Failed", 0, "", exit_code=2)
+    failed_pod = lifecycle.PodObservation("demo-trainer-1", "trainer", 1, "Failed", 0, "", exit_code=2)
     limit = SPEC.restart_policy.backoff_limit
     bad = compute(decision=decision([failed_pod], failures=limit))
     assert bad.phase == "Failed" and cond(bad, "Failed").reason == "BackoffLimitExceeded"
@@ -160,7 +162,7 @@ def test_finished_keeps_everything_but_generation() -> None:
 
 
 def test_restart_transition_time_marks_each_failure_and_the_message_tells_the_checkpoint_truth() -> None:
-    failed_pod = reconcile.PodObservation("demo-trainer-0", "trainer", 0, "Failed", 0, "", exit_code=1)
+    failed_pod = lifecycle.PodObservation("demo-trainer-0", "trainer", 0, "Failed", 0, "", exit_code=1)
     first = compute(decision=decision([failed_pod]))
     assert first.phase == "Pending" and first.restarts == 1 and first.failures == 1
     assert status.pending_restart(first) == (T0, False)
@@ -180,7 +182,7 @@ def test_restart_transition_time_marks_each_failure_and_the_message_tells_the_ch
 
 
 def test_a_disruption_restarts_without_counting_a_failure() -> None:
-    evicted = reconcile.PodObservation(
+    evicted = lifecycle.PodObservation(
         "demo-trainer-1", "trainer", 1, "Running", 0, "", disruption="EvictionByEvictionAPI: Eviction API"
     )
     st_ = compute(decision=decision([pod("demo-trainer-0"), evicted]))

@@ -6,7 +6,8 @@ from datetime import datetime, timezone
 
 from test_builders import make_spec, static_plan
 
-from rljob_operator import api, status
+from rljob_operator import api
+from rljob_operator.reconcile import status
 from rljob_trainer.telemetry import SyncReport
 
 NOW = datetime(2026, 12, 1, tzinfo=timezone.utc)

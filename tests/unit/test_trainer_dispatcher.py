@@ -1,10 +1,10 @@
-"""Unit tests for rljob_trainer.dispatcher: exact load integrals with an injected clock."""
+"""Unit tests for rljob_trainer.rollout.dispatcher: exact load integrals with an injected clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from rljob_trainer import dispatcher
+from rljob_trainer.rollout import dispatcher
 
 
 class FakeClock:

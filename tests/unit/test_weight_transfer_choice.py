@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rljob_trainer import weight_sync as ws
+from rljob_trainer.rollout import weight_sync as ws
 
 NEW = ws.VLLMWeightTransferAPI("0.22.1", frozenset({"nccl", "ipc"}), static_trainer=True)
 NCCL_ONLY = ws.VLLMWeightTransferAPI("0.17.0", frozenset({"nccl"}), static_trainer=True)

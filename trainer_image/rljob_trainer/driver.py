@@ -5,7 +5,7 @@ Role: on trainer pod 0 (inside the Ray head), or in one process in local mode, t
      (`engines.build_engine`) through a runtime: `RayRuntime` (Ray actors; a dedicated engine j is
      pinned to rollout pod j by the Ray custom resource `rljob_rollout_<j>` that pod advertises) or
      `LocalRuntime` (same objects, called in-process; one rank);
-  2. per step: takes the step's complete batch of rollouts from its `rollout_pipeline.RolloutPipeline`
+  2. per step: takes the step's complete batch of rollouts from its `pipeline.RolloutPipeline`
      (prompts sampled, `prompts × group` requests dispatched to the awake engines through the
      `dispatcher.Dispatcher`, generated up to `grpo.maxStaleness` steps ahead on dedicated engines,
      requeued when an engine is lost), scores rewards, computes group-normalised advantages,
@@ -33,21 +33,18 @@ from rljob_trainer import (
     algos,
     checkpoint,
     data,
-    dispatcher,
     dp_balance,
     export,
     modeling,
     rewards,
-    rollout_buffer,
-    rollout_pipeline,
     runtimes,
     telemetry,
     telemetry_sink,
     tracking,
     trainer,
-    weight_sync,
 )
 from rljob_trainer import config as config_mod
+from rljob_trainer.rollout import buffer, dispatcher, pipeline, weight_sync
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -63,8 +60,8 @@ Runtime = runtimes.Runtime
 
 
 # The pipeline's names stay importable from here.
-EngineState = rollout_pipeline.EngineState
-sample_seed = rollout_pipeline.sample_seed
+EngineState = pipeline.EngineState
+sample_seed = pipeline.sample_seed
 
 
 # ---- pure helpers --------------------------------------------------------------------------------
@@ -133,13 +130,13 @@ class GRPODriver:
         self.dispatcher = dispatcher.Dispatcher(clock)
         self.state = DriverState()
         self.ranks: list[Any] = []
-        self.engines: dict[str, rollout_pipeline.EngineState] = {}
+        self.engines: dict[str, pipeline.EngineState] = {}
         self.shared_awake_target = cfg.rollout.shared_engines if cfg.rollout.dedicated_engines == 0 else 0
         self.dedicated_target = cfg.rollout.dedicated_engines
         self._last_sync = clock()
         self._weights: tuple[tuple[int, str], Any] | None = None
         self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
-        self.pipeline = rollout_pipeline.RolloutPipeline(
+        self.pipeline = pipeline.RolloutPipeline(
             cfg,
             runtime,
             self.dispatcher,
@@ -225,7 +222,7 @@ class GRPODriver:
 
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
-        self.engines[name] = rollout_pipeline.EngineState(name, handle, colocated, pod_index)
+        self.engines[name] = pipeline.EngineState(name, handle, colocated, pod_index)
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
         self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
@@ -591,7 +588,7 @@ class GRPODriver:
         eos = self.tokenizer.eos_token_id
         samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
         versions = [s.weights_version for s in samples]
-        staleness = [rollout_buffer.staleness(step - 1, v) for v in versions]
+        staleness = [buffer.staleness(step - 1, v) for v in versions]
 
         world = len(self.ranks)
         per_rank: list[list[trainer.RankMiniBatch]] = [[] for _ in range(world)]

@@ -71,12 +71,12 @@ class Host:
         target = self if method in self.OWN_METHODS else self.obj
         return getattr(target, method)(*args, **kwargs)
 
-    # ---- weight sync over a collective (rljob_trainer.weight_sync), one group per engine ----------
+    # ---- weight sync over a collective (rljob_trainer.rollout.weight_sync), one group per engine ----------
     # Trainer rank 0 is rank 0 of every engine's group; the engine is rank 1. Each group has its own
     # TCPStore, so adding or dropping an engine never touches another engine's group.
     def weight_group_create(self, name: str, backend: str, timeout_s: float) -> dict[str, Any]:
         """Rank 0: start the store of engine `name`'s group; returns its `GroupAddress` fields."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         host, _ = self.obj.node_address()
         store = weight_sync.create_group_store(host, 2, timeout_s=timeout_s)
@@ -86,7 +86,7 @@ class Host:
 
     def weight_group_open(self, address: dict[str, Any], rank: int) -> None:
         """Join engine `address['name']`'s group: rank 0 on the trainer (with its store), 1 on the engine."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         addr = weight_sync.GroupAddress(**address)
         self._groups[addr.name] = weight_sync.open_group(addr, rank, store=self._stores.get(addr.name))
@@ -102,7 +102,7 @@ class Host:
         """Every trainer rank: stream the policy's engine weights (`weight_sync.SEND_*`: LoRA merged,
         only the adapter, or base and adapter) bucket by bucket; rank 0 broadcasts them to the groups
         of `names`. Returns {engine: error} of failed groups."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         groups = {n: self._groups[n] for n in names if n in self._groups}
         with self._engine_tensors(what) as (tensors, dtype):
@@ -117,7 +117,7 @@ class Host:
         """The policy's tensors of one sync (`weight_sync.engine_tensors`) and the model dtype."""
         import torch
 
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         with weight_sync.engine_tensors(self.obj._parts()[0], what) as tensors:
             yield tensors, getattr(torch, self._cfg.model.dtype)
@@ -128,7 +128,7 @@ class Host:
     # `init_weight_transfer_engine`, then `trainer_send_weights` while it runs `update_weights`.
     def engine_weight_metadata(self) -> dict[str, list[Any]]:
         """names, dtype_names, shapes of what `vllm_send_weights` sends (vLLM's update_info)."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         with self._engine_tensors() as (tensors, dtype):
             return {
@@ -160,7 +160,7 @@ class Host:
         """Every trainer rank: stream the engine tensors once per engine (FSDP gathers are collective);
         rank 0 sends them, over nccl (`engines[name] = ("nccl", None)`) or as CUDA IPC handles to the
         colocated engine's actor (`("ipc", handle)`). Returns {engine: error} of failed sends."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         failed: dict[str, str] = {}
         for name, (backend, handle) in engines.items():
@@ -202,7 +202,7 @@ class Host:
 
     def receive_engine_weights(self) -> int:
         """Engine: receive one sync into the engine in place (under its sleep rules); returns the version."""
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         (group,) = self._groups.values()
         engine = self.obj

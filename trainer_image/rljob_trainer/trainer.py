@@ -445,7 +445,7 @@ class TrainingRank:
         if what == "merged":
             weights = dict(modeling.iter_engine_weights(self._parts()[0]))
         else:
-            from rljob_trainer import weight_sync
+            from rljob_trainer.rollout import weight_sync
 
             with weight_sync.engine_tensors(self._parts()[0], what) as tensors:
                 weights = {n: modeling._full_tensor(t).detach().to("cpu").clone() for n, t in tensors}

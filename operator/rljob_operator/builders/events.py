@@ -1,6 +1,6 @@
 """core/v1 Events about an RLJob (what `kubectl describe rljob` lists under Events).
 
-Role: pure; the shell (`handlers`) collects a reconcile's Events and `kube.Kube.create` posts them
+Role: pure; the shell (`handlers`) collects a reconcile's Events and `adapter.Kube.create` posts them
 after the status write. Posted directly rather than through `kopf.event`, whose queue exists only
 inside kopf's own handler tasks (the resync loop is not one).
 """

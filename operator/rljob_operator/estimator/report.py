@@ -1,7 +1,7 @@
 """Render a :class:`ResourcePlan` for people (a table) and for machines (camelCase JSON).
 
 Role: the presentation layer of ``rljob plan`` (``-o table`` default, ``-o json``) and of the
-operator's status/event text. Callers: ``rljob_operator.cli`` and ``handlers``.
+operator's status/event text. Callers: ``rljob_operator.cli.commands`` and ``handlers``.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class VLLMEngine(base.RolloutEngine):
     def weight_transfer(self) -> Any:
         """How this engine takes weights (`weight_sync.WeightTransferChoice`), decided at load()."""
         if self._transfer is None:
-            from rljob_trainer import weight_sync
+            from rljob_trainer.rollout import weight_sync
 
             self._transfer = weight_sync.choose_weight_transfer(
                 engine_kind="vllm",
@@ -149,7 +149,7 @@ class VLLMEngine(base.RolloutEngine):
             # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
             # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
             extra["distributed_executor_backend"] = "ray"
-        from rljob_trainer import weight_sync
+        from rljob_trainer.rollout import weight_sync
 
         if self.weight_transfer.path == weight_sync.PATH_VLLM_NATIVE:
             from vllm.config import WeightTransferConfig

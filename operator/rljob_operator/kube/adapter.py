@@ -21,8 +21,9 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rljob_operator import api, kubeclient, metrics, names
+from rljob_operator import api, names
 from rljob_operator.builders import podgroup, workload
+from rljob_operator.kube import kubeclient, metrics
 
 API_THREADS = 16
 #: The API pool serves waiting calls in this order: what makes a job run (pod and child creates,

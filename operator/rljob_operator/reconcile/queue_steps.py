@@ -10,9 +10,12 @@ import time
 
 import kopf
 
-from rljob_operator import admission, api, builders, errors, kube, names, preemption, reconcile, status
+from rljob_operator import api, builders, errors, names
 from rljob_operator.builders import podgroup
-from rljob_operator.context import (
+from rljob_operator.decide import admission, lifecycle, preemption
+from rljob_operator.kube import adapter
+from rljob_operator.reconcile import status
+from rljob_operator.reconcile.context import (
     WAIT_FOR_TERMINATION_S,
     Ctx,
     delete_pods,
@@ -20,7 +23,7 @@ from rljob_operator.context import (
     spec_of,
     sync_reports,
 )
-from rljob_operator.state import State
+from rljob_operator.reconcile.state import State
 
 POD_GROUP_API_REFRESH_S = 600.0  # how long the operator trusts its discovery of the PodGroup API
 
@@ -62,7 +65,7 @@ async def step_gang(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, b
     return dataclasses.replace(seen, gang=(True, "PodGroupCreated", message)), False
 
 
-async def _pod_groups_served(kube_: kube.Kube, state: State) -> bool:
+async def _pod_groups_served(kube_: adapter.Kube, state: State) -> bool:
     """Discovery of the PodGroup API, cached for POD_GROUP_API_REFRESH_S (it changes with an upgrade)."""
     now = time.monotonic()
     if state.pod_group_api is None or now - state.pod_group_api[0] >= POD_GROUP_API_REFRESH_S:
@@ -71,7 +74,7 @@ async def _pod_groups_served(kube_: kube.Kube, state: State) -> bool:
     return state.pod_group_api[1]
 
 
-# ---- Kueue admission (the pure part: rljob_operator.admission) -----------------------------------
+# ---- Kueue admission (the pure part: rljob_operator.decide.admission) -----------------------------------
 async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """A job labelled kueue.x-k8s.io/queue-name: its Workloads exist before any pod, and no pod
     exists until Kueue admits them; admitted pods go onto their flavors' nodes, and Kueue hears
@@ -172,7 +175,7 @@ async def _rebuild_admitted(ctx: Ctx, core: admission.WorkloadState, why: str) -
     step then creates the Workload for the new spec and the job queues again (Kueue's
     jobframework: stop the job with no matching Workload, delete the old one, create a new one).
     The job resumes from its last checkpoint once readmitted, as after any gang restart."""
-    live = reconcile.pods_to_stop(ctx.pods, keep_finished=False)
+    live = lifecycle.pods_to_stop(ctx.pods, keep_finished=False)
     if live:
         post(ctx, "Normal", "WorkloadOutOfSync", why)
         await delete_pods(ctx, live, why="workload-rebuilt")
@@ -222,7 +225,7 @@ async def step_preemption(ctx: Ctx, seen: status.Observed) -> tuple[status.Obser
     elif decision.action == "wait":
         ctx.retry(decision.wait_s, "waiting for the driver's checkpoint acknowledgement")
     elif decision.action == "stop":
-        await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="preempted")
+        await delete_pods(ctx, lifecycle.pods_to_stop(ctx.pods, keep_finished=False), why="preempted")
         ctx.retry(WAIT_FOR_TERMINATION_S, "waiting for the preempted pods to terminate")
     elif decision.action == "release":
         body = await ctx.state.kube.read_workload(ctx.job.namespace, wl_name)
@@ -274,7 +277,7 @@ async def _workload_priority(
 
 
 async def _report_pods_ready(
-    ctx: Ctx, wl: admission.WorkloadState, pod_names: set[str], current: list[reconcile.PodObservation]
+    ctx: Ctx, wl: admission.WorkloadState, pod_names: set[str], current: list[lifecycle.PodObservation]
 ) -> None:
     """Tell Kueue whether the Workload's pods are up (its PodsReady condition, server-side applied)."""
     ready = pod_names <= {p.name for p in current if p.phase == "Running"}

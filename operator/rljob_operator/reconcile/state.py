@@ -12,7 +12,9 @@ import dataclasses
 import time
 from typing import Any
 
-from rljob_operator import admission, api, kube, metrics, names, reconcile, resync
+from rljob_operator import api, names
+from rljob_operator.decide import admission, lifecycle
+from rljob_operator.kube import adapter, metrics, resync
 
 EMPTY_REPORTS = "[]"  # a telemetry ConfigMap as the operator creates it (no SyncReport yet)
 
@@ -30,7 +32,7 @@ class Cache:
 
 @dataclasses.dataclass
 class State:
-    kube: kube.Kube
+    kube: adapter.Kube
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
     events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
@@ -42,7 +44,7 @@ class State:
     latest: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # jobs whose last reconcile waits on something (a retryable error): a node change retries them
     waiting: set[str] = dataclasses.field(default_factory=set)
-    nodes: dict[str, reconcile.NodeObservation] = dataclasses.field(default_factory=dict)
+    nodes: dict[str, lifecycle.NodeObservation] = dataclasses.field(default_factory=dict)
     # native gang scheduling: (checked at, served) of the PodGroup API; job key -> minCount created
     pod_group_api: tuple[float, bool] | None = None
     gangs: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -57,7 +59,7 @@ class State:
     workloads: dict[str, dict[str, admission.WorkloadState]] = dataclasses.field(default_factory=dict)
     # job key -> pod name -> what the last pod event showed: an event that changes none of it
     # (a condition's timestamp, the pod IP) reconciles nothing
-    pod_views: dict[str, dict[str, reconcile.PodObservation]] = dataclasses.field(default_factory=dict)
+    pod_views: dict[str, dict[str, lifecycle.PodObservation]] = dataclasses.field(default_factory=dict)
     # job key -> the telemetry ConfigMap's reports as last seen (an unchanged write is no news)
     reports: dict[str, str] = dataclasses.field(default_factory=dict)
     # job key -> pod name -> (attempt, monotonic s): pods created and not yet seen in the watch
@@ -92,7 +94,7 @@ class State:
         if key in self.jobs:
             self.due.soon(key, time.monotonic() + delay_s)
 
-    def pod_changed(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
+    def pod_changed(self, key: str, name: str, view: lifecycle.PodObservation | None) -> bool:
         """A pod event of job `key`: whether it changed what a reconcile acts on (`view` None: the
         pod is gone). Not its binding alone: a pod's node matters only when the node goes, and
         the node's own event reconciles the jobs with pods on it."""
@@ -104,7 +106,7 @@ class State:
             return dataclasses.replace(view, node_name=None) != dataclasses.replace(before, node_name=None)
         return view != before
 
-    def seen_created(self, key: str, name: str, view: reconcile.PodObservation | None) -> bool:
+    def seen_created(self, key: str, name: str, view: lifecycle.PodObservation | None) -> bool:
         """The watch shows pod `name` of job `key`: forget that this operator created it, and say
         whether it is just as created (this attempt, unbound, nothing wrong): no news then."""
         made = self.created.get(key, {}).pop(name, None)

@@ -19,7 +19,7 @@ Condition types:
 - `Complete` / `Failed`: the run ended (a spec error fails the job until a new generation fixes it).
 - `Admitted`: only for jobs labelled `kueue.x-k8s.io/queue-name`: Kueue admitted the job's
   Workload (False/Queued: no pod exists until it does; the phase is `Queued`).
-- `Preempted`: Kueue evicted or preempted the job (`rljob_operator.preemption`): True while the
+- `Preempted`: Kueue evicted or preempted the job (`rljob_operator.decide.preemption`): True while the
   driver checkpoints (CheckpointRequested), its pods go (Stopping) and it waits in the queue
   (Requeued); False/Resumed once the readmitted job runs again.
 """
@@ -34,10 +34,10 @@ from typing import Any, Literal
 import pydantic
 
 from rljob_operator import api, errors, names
-from rljob_operator.admission import Placement
 from rljob_operator.builders.common import JobLayout
-from rljob_operator.preemption import Decision as PreemptionDecision
-from rljob_operator.reconcile import PodObservation, RestartDecision
+from rljob_operator.decide.admission import Placement
+from rljob_operator.decide.lifecycle import PodObservation, RestartDecision
+from rljob_operator.decide.preemption import Decision as PreemptionDecision
 from rljob_trainer.telemetry import SyncReport
 
 PLANNED = "Planned"
@@ -105,7 +105,7 @@ class Observed:
     - error: the exception that stopped the steps (spec, plan, volumes, capacity, or a bug).
     - finished: the job had already ended; only observedGeneration (and the TTL) matter.
     - suspended: spec.suspend removed the pods.
-    - decision: the restart decision for the current attempt's pods (`reconcile.decide_restart`).
+    - decision: the restart decision for the current attempt's pods (`lifecycle.decide_restart`).
     - restart_wait_s: a restart's backoff is still running (seconds left).
     - pods: the pods of the attempt in force; waiting: names still terminating.
     - rollout: adaptive targets decided by this reconcile (persisted with the status).

@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
-from rljob_operator import admission, api, names
-from rljob_operator.reconcile import PodObservation
+from rljob_operator import api, names
+from rljob_operator.decide import admission
+from rljob_operator.decide.lifecycle import PodObservation
 
 # Kueue's field manager for admission status (pkg/constants: AdmissionName), and the conditions
 # it owns and writes together (pkg/workload: admissionManagedConditions).

@@ -16,8 +16,11 @@ from typing import Any, Literal
 
 import kopf
 
-from rljob_operator import api, builders, metrics, reconcile, status
-from rljob_operator.state import State
+from rljob_operator import api, builders
+from rljob_operator.decide import lifecycle
+from rljob_operator.kube import metrics
+from rljob_operator.reconcile import status
+from rljob_operator.reconcile.state import State
 from rljob_trainer import telemetry
 
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
@@ -40,7 +43,7 @@ class Ctx:
     generation: int
     old: api.RLJobStatus
     old_raw: dict[str, Any]
-    pods: list[reconcile.PodObservation]
+    pods: list[lifecycle.PodObservation]
     telemetry_index: kopf.Index
     nodes_index: kopf.Index
     logger: Any

@@ -1,7 +1,7 @@
 """Where the operator's Kubernetes credentials come from, read at call time.
 
-Called by `rljob_operator.leader` (the Lease elector) before kopf starts, and by
-`kube.Kube.from_environment` (the operator's API adapter). The rule: `$KUBECONFIG` (its first
+Called by `rljob_operator.kube.leader` (the Lease elector) before kopf starts, and by
+`adapter.Kube.from_environment` (the operator's API adapter). The rule: `$KUBECONFIG` (its first
 path) or `~/.kube/config` when that file exists, else the in-cluster ServiceAccount. The
 kubernetes package reads `$KUBECONFIG` at import time; reading it here, when asked, lets tests and
 `rljob operator` set it first.

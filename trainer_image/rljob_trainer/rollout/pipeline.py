@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import data, dispatcher, rollout_buffer
+from rljob_trainer import data
 from rljob_trainer.engines import base
+from rljob_trainer.rollout import buffer, dispatcher
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -313,7 +314,7 @@ class RolloutPipeline:
             stale = [
                 i
                 for i, o in enumerate(job.outputs)
-                if o is not None and rollout_buffer.staleness(step - 1, int(o.meta.get("version", 0))) > bound
+                if o is not None and buffer.staleness(step - 1, int(o.meta.get("version", 0))) > bound
             ]
             if not stale:
                 return job

@@ -1,6 +1,6 @@
 """Leader election on a `coordination.k8s.io/v1` Lease, so that of N operator replicas one reconciles.
 
-Called by `rljob operator` (`cli.cmd_operator`) around `handlers.run_operator`: a replica first
+Called by `rljob operator` (`commands.cmd_operator`) around `handlers.run_operator`: a replica first
 waits to hold the Lease `rljob-operator` (names.LEADER_LEASE), then runs kopf's handlers while a
 thread renews the Lease. The semantics are client-go's `leaderelection` (what kube-scheduler and
 every controller-runtime manager use):
@@ -46,7 +46,8 @@ from typing import Any
 
 import kubernetes
 
-from rljob_operator import kubeclient, names
+from rljob_operator import names
+from rljob_operator.kube import kubeclient
 
 logger = logging.getLogger("rljob.leader")
 

@@ -1,6 +1,6 @@
 """`rljob render`: every object the operator would create for an RLJob, offline (its `helm template`).
 
-Role: called by `rljob_operator.cli`. Parses the manifest with the API models, plans with the
+Role: called by `rljob_operator.cli.commands`. Parses the manifest with the API models, plans with the
 estimator (`planning.plan_job`) and builds with the same builders the operator applies
 (`builders.build_job_objects`), for the first run attempt. Nothing talks to a cluster: a
 `configMapRef` model config is given as a file instead. Owner references are the only thing the
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rljob_operator import api, builders, planning
+from rljob_operator import api, builders
 from rljob_operator.builders import podgroup
+from rljob_operator.decide import planning
 
 Only = Literal["all", "trainer-config", "pods", "rbac"]
 ONLY_CHOICES: tuple[str, ...] = ("all", "trainer-config", "pods", "rbac")

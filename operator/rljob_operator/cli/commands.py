@@ -18,8 +18,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rljob_operator import api, console, crd, planning
+from rljob_operator import api
 from rljob_operator import estimator as est
+from rljob_operator.api import crd
+from rljob_operator.cli import console
+from rljob_operator.decide import planning
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The generated CRD and its copy in the Helm chart (helm installs what is in the chart's crds/).
@@ -118,7 +121,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     """Print every object the operator would create for each RLJob in the manifest."""
-    from rljob_operator import errors, render
+    from rljob_operator import errors
+    from rljob_operator.cli import render
 
     out: list[dict[str, Any]] = []
     for doc in _read_rljobs(args.filename):
@@ -185,7 +189,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
     if not args.leader_election:
         run()
         return 0
-    from rljob_operator import kubeclient, leader
+    from rljob_operator.kube import kubeclient, leader
 
     namespace = leader.lease_namespace(args.leader_election_namespace, kubeclient.in_cluster_namespace())
     return leader.run_as_leader(run, namespace=namespace, health_endpoint=args.liveness)

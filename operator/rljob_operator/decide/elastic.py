@@ -22,14 +22,14 @@ driver dropped its engine: died or hung past `engineTimeoutSeconds`; a pod creat
 that interval is already the replacement, since engines join only at sync points) is deleted and
 recreated under the same name. The
 trainer gang keeps running; restart count, failures and backoff are untouched
-(`reconcile.decide_restart` reads only trainer pods). A pod deleted outside the operator needs
+(`lifecycle.decide_restart` reads only trainer pods). A pod deleted outside the operator needs
 nothing here: the pod diff recreates a missing name.
 
 Replacement backoff. A rollout pod that keeps losing its engine (a crash loop: bad image, an
 engine that dies at start) must not be recreated in a tight loop. Each index counts its losses in
 a row (`status.rollout.replacementBackoff`, so an operator restart keeps them); the first
-replacement is created at once, the n-th waits `reconcile.backoff_s(n - 1, spec.restartPolicy)` (from
-the end of the second the loss was seen in, `reconcile.backoff_ends`)
+replacement is created at once, the n-th waits `lifecycle.backoff_s(n - 1, spec.restartPolicy)` (from
+the end of the second the loss was seen in, `lifecycle.backoff_ends`)
 (initialBackoffSeconds doubling up to maxBackoffSeconds, the gang's own settings, its own count).
 The count resets once the pod has run for `BACKOFF_RESET_FACTOR` × maxBackoffSeconds (the
 kubelet's CrashLoopBackOff resets after 10 minutes with its 5-minute cap).
@@ -47,8 +47,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 
-from rljob_operator import api, names, reconcile
-from rljob_operator.reconcile import PodObservation
+from rljob_operator import api, names
+from rljob_operator.decide import lifecycle
+from rljob_operator.decide.lifecycle import PodObservation
 from rljob_trainer.telemetry import SyncReport
 
 BACKOFF_RESET_FACTOR = 2  # a replacement that ran this many maxBackoffSeconds is healthy again
@@ -183,7 +184,7 @@ def plan_rollout_pods(
             why = _lost_why(pod, reports, node_names)
             if why:
                 count = (record.replacements if record is not None else 0) + 1
-                not_before = reconcile.backoff_ends(now, reconcile.backoff_s(count - 1, policy))
+                not_before = lifecycle.backoff_ends(now, lifecycle.backoff_s(count - 1, policy))
                 records[pod.index] = api.ReplacementBackoff(
                     index=pod.index, attempt=attempt, replacements=count, not_before=not_before
                 )

@@ -5,7 +5,7 @@ the driver writes) and its Events, and prints phase, plan, progress, conditions,
 the history (reward, loss, tokens/s, engines awake over steps; plotext) and the adaptive decisions
 with their reasons and times. `logs` streams a pod's log through the API (what `kubectl logs`
 does). `build_status_view` and `render_status` are pure (objects in, text out); `fetch_*`, `cmd_*`
-are the shell. Callers: `rljob_operator.cli` (subcommands `status`, `logs`; the `kubectl-rljob`
+are the shell. Callers: `rljob_operator.cli.commands` (subcommands `status`, `logs`; the `kubectl-rljob`
 console script is the same entry point, so kubectl finds it as a plugin).
 """
 

@@ -1,7 +1,7 @@
 """Kueue admission of RLJobs: what the operator's `admission` reconcile step decides, purely.
 
 Role: the functional core between Kueue's Workloads and the job's pods. The shell
-(`queue_steps.step_admission`, API calls in `kube.Kube`) reads Workloads through a kopf index and
+(`queue_steps.step_admission`, API calls in `adapter.Kube`) reads Workloads through a kopf index and
 ResourceFlavors by name; everything it decides comes from here:
 
 - `observe_workload(body) -> WorkloadState`: what a Workload says (QuotaReserved, Admitted,

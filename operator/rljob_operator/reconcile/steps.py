@@ -9,7 +9,7 @@ in a step becomes a condition: `errors.RLJobError` with its own reason, anything
 `InternalError` quoting the exception, retried by the loop. The Kueue, preemption and gang steps
 live in `queue_steps`.
 
-Pod failures follow `reconcile.decide_restart` (pure): a failure counts against
+Pod failures follow `lifecycle.decide_restart` (pure): a failure counts against
 `spec.restartPolicy.backoffLimit` and restarts the gang after an exponential backoff; a
 disruption (eviction, preemption, lost node) restarts it at once and is not counted. The new
 attempt is written to the status first (it is what marks the old pods stale); the next reconcile
@@ -35,24 +35,13 @@ from typing import Any
 import kopf
 import pydantic
 
-from rljob_operator import (
-    admission,
-    api,
-    builders,
-    elastic,
-    errors,
-    kube,
-    metrics,
-    names,
-    planning,
-    policy,
-    pools,
-    reconcile,
-    resync,
-    status,
-)
+from rljob_operator import api, builders, errors, names
 from rljob_operator.builders import podgroup
-from rljob_operator.context import (
+from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
+from rljob_operator.estimator import presets
+from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.reconcile import status
+from rljob_operator.reconcile.context import (
     RETRY_INTERNAL_ERROR_S,
     RETRY_WAITING_S,
     WAIT_FOR_TERMINATION_S,
@@ -64,8 +53,7 @@ from rljob_operator.context import (
     spec_of,
     sync_reports,
 )
-from rljob_operator.estimator import presets
-from rljob_operator.queue_steps import (
+from rljob_operator.reconcile.queue_steps import (
     finish_workloads,
     kueue_managed,
     release_workloads,
@@ -73,7 +61,7 @@ from rljob_operator.queue_steps import (
     step_gang,
     step_preemption,
 )
-from rljob_operator.state import Cache, State
+from rljob_operator.reconcile.state import Cache, State
 from rljob_trainer import telemetry
 
 
@@ -138,7 +126,7 @@ async def reconcile_job(
 
 def _post_later(ctx: Ctx) -> None:
     """Post the reconcile's Events after it: they never hold a reconcile slot or the job's lock,
-    and the API pool serves them after pod creates and status writes (`kube.PRIORITY_EVENT`)."""
+    and the API pool serves them after pod creates and status writes (`adapter.PRIORITY_EVENT`)."""
     if not ctx.events:
         return
     task = asyncio.create_task(post_events(ctx), name=f"rljob-events-{ctx.key}")
@@ -180,7 +168,7 @@ def _step_label(step: Step) -> str:
 async def _step_earlier_job(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Pods an earlier RLJob of the same name left (deleted, not yet garbage-collected) are deleted,
     and nothing else happens until they are gone: their exits and steps are another run's."""
-    leftovers = reconcile.left_by_earlier_job(ctx.pods, ctx.uid)
+    leftovers = lifecycle.left_by_earlier_job(ctx.pods, ctx.uid)
     if not leftovers:
         return seen, False
     await delete_pods(
@@ -209,7 +197,7 @@ async def _step_finished(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     """A finished job: stop leftover pods, honour ttlSecondsAfterFinished, keep the status."""
     if ctx.old.phase not in api.FINISHED_PHASES or _spec_failure_fixed(ctx):
         return seen, False
-    await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+    await delete_pods(ctx, lifecycle.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
     await finish_workloads(ctx)
     ttl = ctx.raw_spec.get("ttlSecondsAfterFinished")
     done = ctx.old.completion_time
@@ -252,16 +240,16 @@ async def _step_suspend(ctx: Ctx, seen: status.Observed) -> tuple[status.Observe
     queues the job again), keep everything else."""
     if not spec_of(seen).suspend:
         return seen, False
-    await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
+    await delete_pods(ctx, lifecycle.pods_to_stop(ctx.pods, keep_finished=False), why="suspend")
     await release_workloads(ctx)
     return dataclasses.replace(seen, suspended=True), True
 
 
 async def _step_outcome(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Succeeded, failed, disrupted? The pure `reconcile.decide_restart` says; this step obeys."""
+    """Succeeded, failed, disrupted? The pure `lifecycle.decide_restart` says; this step obeys."""
     spec = spec_of(seen)
     nodes = {n.name for n in ctx.nodes_index.get("nodes", [])}
-    decision = reconcile.decide_restart(
+    decision = lifecycle.decide_restart(
         ctx.pods,
         attempt=ctx.attempt,
         failures=ctx.old.failures or 0,
@@ -278,7 +266,7 @@ async def _step_outcome(ctx: Ctx, seen: status.Observed) -> tuple[status.Observe
         if decision.action == "succeeded":
             reports = sync_reports(ctx)
             seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
-        await delete_pods(ctx, reconcile.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
+        await delete_pods(ctx, lifecycle.pods_to_stop(ctx.pods, keep_finished=True), why="finished")
         return seen, True
     # restart: the status (written at the tail) carries the new attempt, which is what marks the
     # old pods stale even across a crash; the next reconcile deletes them and waits out the backoff.
@@ -324,7 +312,7 @@ async def _step_backoff(ctx: Ctx, seen: status.Observed) -> tuple[status.Observe
     since, disruption = pending
     stale = [p.name for p in ctx.pods if p.attempt != ctx.attempt and not p.deleting]
     await delete_pods(ctx, stale, why="restart")
-    wait = reconcile.restart_wait_s(
+    wait = lifecycle.restart_wait_s(
         since, disruption, ctx.old.failures or 0, spec_of(seen).restart_policy, ctx.now
     )
     if wait > 0:
@@ -352,9 +340,9 @@ async def _step_volumes(ctx: Ctx, seen: status.Observed) -> tuple[status.Observe
     if not _first_pods_of_attempt(ctx):
         return seen, False
     assert seen.layout is not None
-    uses = reconcile.claims_of(spec_of(seen), seen.layout)
+    uses = lifecycle.claims_of(spec_of(seen), seen.layout)
     claims = {u.claim: await ctx.state.kube.read_pvc(ctx.job.namespace, u.claim) for u in uses}
-    reconcile.check_claims(uses, claims, ctx.job.namespace)
+    lifecycle.check_claims(uses, claims, ctx.job.namespace)
     return seen, False
 
 
@@ -363,7 +351,7 @@ async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     admits: its flavors add the nodeLabels and tolerations that say where the pods may go.)"""
     if _first_pods_of_attempt(ctx) and not kueue_managed(ctx):
         assert seen.layout is not None
-        reconcile.check_capacity(spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
+        lifecycle.check_capacity(spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
     return seen, False
 
 
@@ -402,7 +390,7 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     seen, elastic_plan = _plan_rollout_pods(ctx, seen)
     held = {names.rollout_pod_name(ctx.job.name, i) for i in elastic_plan.hold}  # backoff: not yet
     desired = [d for d in desired if d["metadata"]["name"] not in held]
-    diff = reconcile.diff_pods(
+    diff = lifecycle.diff_pods(
         desired,
         ctx.pods,
         ctx.attempt,
@@ -728,13 +716,13 @@ def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> 
     return True
 
 
-# ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.pools) ----------------------
+# ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.decide.pools) ----------------------
 POOLS_CONFIGMAP = os.environ.get("RLJOB_POOLS_CONFIGMAP", "")  # "<namespace>/<name>"; empty: no pools
 POOLS_REFRESH_S = 10.0
 _pools_read: list[tuple[float, pools.PoolCatalog]] = []
 
 
-async def _pool_catalog(kube_: kube.Kube) -> pools.PoolCatalog:
+async def _pool_catalog(kube_: adapter.Kube) -> pools.PoolCatalog:
     """The chart-rendered pool defaults, re-read at most every POOLS_REFRESH_S (helm upgrade applies)."""
     if not POOLS_CONFIGMAP:
         return pools.PoolCatalog()
