@@ -318,9 +318,11 @@ def test_missing_and_unshareable_claims_are_reported_before_pods(
             "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(_pvc("ckpt", "ReadWriteMany"))
         )
         wait_for("pods once the claim is shareable", lambda: len(pods(cluster, namespace, "vol")) == 2, 60)
-        # The claim is unbound (no provisioner here): the scheduler says so, and so does the RLJob.
-        st = until_reason(cluster, namespace, "vol", "Ready", "Unschedulable", 45)
-        assert "PersistentVolumeClaim" in condition(st, "Ready")["message"]
+        # The claim is unbound (no provisioner here): the scheduler refuses the pods, and the RLJob
+        # names the claim and the fix rather than quoting "unbound immediate PersistentVolumeClaims".
+        st = until_reason(cluster, namespace, "vol", "Ready", "ClaimNotBound", 45)
+        claim = "PersistentVolumeClaim 'ckpt' (spec.checkpoint.volume.claimName)"
+        assert claim in condition(st, "Ready")["message"]
 
 
 # ---- every shipped example ----------------------------------------------------------------------
@@ -340,7 +342,10 @@ def test_every_example_shows_a_phase_and_its_cause_within_30s(
     try:
         with operator(namespace) as runner:
             for path in sorted(base.REPO.glob("examples/*.yaml")):
-                cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+                # As each example's header says: its claims (examples/claims/) with it, one command.
+                claims = base.REPO / "examples" / "claims" / path.name
+                with_claims = ["-f", str(claims)] if claims.exists() else []
+                cluster.kubectl("apply", "-n", namespace, *with_claims, "-f", str(path))
             names_ = [d["metadata"]["name"] for p in sorted(base.REPO.glob("examples/*.yaml"))
                       for d in yaml.safe_load_all(p.read_text()) if d]  # fmt: skip
 
@@ -358,13 +363,22 @@ def test_every_example_shows_a_phase_and_its_cause_within_30s(
                 return True
 
             wait_for("every example explained", explained, 30)
+            # The scheduler refuses pods whose claims are unbound; the next reconcile names them.
+            for job in ("qwen3-8b-ascend", "qwen35-4b-gsm8k"):
+                seen[job] = until_reason(cluster, namespace, job, "Ready", "ClaimNotBound", 30)
         assert runner.exception is None
     finally:
         cluster.delete_nodes(added)
     tiny = seen["tiny-cpu"]
     assert tiny["phase"] == "Running" and condition(tiny, "Ready")["reason"] == "AllPodsRunning"
-    ascend = seen["qwen3-8b-ascend"]
-    assert (
-        condition(ascend, "Ready")["reason"] == "ClaimNotFound"
-        and "'models'" in condition(ascend, "Ready")["message"]
-    )
+    # The flagship and Ascend examples' claims exist now, but nothing here provisions volumes: the
+    # RLJob names the unbound claim, its storage class and the fix (not the scheduler's bare
+    # "unbound immediate PersistentVolumeClaims").
+    for job, claim, storage_class in (
+        ("qwen3-8b-ascend", "models", "shared-rwx"),
+        ("qwen35-4b-gsm8k", "qwen35-4b-checkpoints", "standard"),
+    ):
+        ready = condition(seen[job], "Ready")
+        assert ready["reason"] == "ClaimNotBound", ready
+        assert f"PersistentVolumeClaim {claim!r}" in ready["message"]
+        assert f"storage class {storage_class!r}" in ready["message"]

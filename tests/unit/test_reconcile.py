@@ -234,6 +234,21 @@ def test_check_claims_names_the_claim_and_the_fix() -> None:
     lifecycle.check_claims(model, {"m": {"spec": {"accessModes": ["ReadOnlyMany"]}}}, "ns")
 
 
+def test_unbound_claims_name_the_claim_its_storage_class_and_the_fix() -> None:
+    uses = [
+        lifecycle.ClaimUse("spec.model.source.pvc.claimName", "models", 5, True),
+        lifecycle.ClaimUse("spec.checkpoint.volume.claimName", "ckpt", 1, False),
+    ]
+    pending = {"spec": {"storageClassName": "shared-rwx"}, "status": {"phase": "Pending"}}
+    bound = {"spec": {}, "status": {"phase": "Bound"}}
+    (sentence,) = lifecycle.unbound_claims(uses, {"models": pending, "ckpt": bound})
+    assert "PersistentVolumeClaim 'models' (spec.model.source.pvc.claimName) is Pending" in sentence
+    assert "storage class 'shared-rwx'" in sentence and "kubectl describe pvc models" in sentence
+    assert lifecycle.unbound_claims(uses, {"models": bound, "ckpt": None}) == ()  # missing: check_claims
+    no_class = lifecycle.unbound_claims(uses[1:], {"ckpt": {"spec": {}, "status": {"phase": "Pending"}}})
+    assert "no storage class" in no_class[0]
+
+
 def test_diff_creates_missing_in_index_order() -> None:
     want = desired()
     d = lifecycle.diff_pods(want, [], 0)

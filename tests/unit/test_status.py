@@ -181,6 +181,17 @@ def test_restart_transition_time_marks_each_failure_and_the_message_tells_the_ch
     assert "resumes from the last checkpoint in claim 'ckpts'" in cond(resumes, "Restarting").message
 
 
+def test_an_unschedulable_pod_with_an_unbound_claim_names_the_claim() -> None:
+    unsched = dataclasses.replace(
+        pod("demo-trainer-0", "Pending"),
+        unschedulable="0/7 nodes are available: pod has unbound immediate PersistentVolumeClaims.",
+    )
+    sentence = "PersistentVolumeClaim 'ckpt' (spec.checkpoint.volume.claimName) is Pending: ..."
+    ready = cond(compute(pods=[unsched], unbound_claims=(sentence,)), "Ready")
+    assert ready.reason == "ClaimNotBound" and sentence in ready.message and "demo-trainer-0" in ready.message
+    assert cond(compute(pods=[unsched]), "Ready").reason == "Unschedulable"
+
+
 def test_a_disruption_restarts_without_counting_a_failure() -> None:
     evicted = lifecycle.PodObservation(
         "demo-trainer-1", "trainer", 1, "Running", 0, "", disruption="EvictionByEvictionAPI: Eviction API"

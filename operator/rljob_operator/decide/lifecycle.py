@@ -523,3 +523,37 @@ def check_claims(
                 f"{use.pods} pods that may land on different nodes mount it: use a claim with {need} "
                 "(for example on a shared filesystem storage class)",
             )
+
+
+def unbound_claims(
+    uses: Sequence[ClaimUse], claims: Mapping[str, Mapping[str, Any] | None]
+) -> tuple[str, ...]:
+    """One sentence per claim the pods mount that exists but is not bound to a volume.
+
+    The scheduler only says "pod has unbound immediate PersistentVolumeClaims"; this names the
+    claim, the spec field that mounts it, its storage class and the fix. Claims of a
+    WaitForFirstConsumer class stay Pending until a pod is scheduled, so the caller asks only once
+    the scheduler has refused a pod.
+    """
+    out = []
+    for use in uses:
+        pvc = claims.get(use.claim)
+        if pvc is None:
+            continue
+        phase = (pvc.get("status") or {}).get("phase") or "Pending"
+        if phase == "Bound":
+            continue
+        spec = pvc.get("spec") or {}
+        storage_class = spec.get("storageClassName")
+        if spec.get("volumeName"):
+            cause = f"its volume {spec['volumeName']!r} is not available"
+        elif storage_class:
+            cause = f"storage class {storage_class!r} has provisioned no volume for it"
+        else:
+            cause = "it names no storage class and the cluster has no default one"
+        out.append(
+            f"PersistentVolumeClaim {use.claim!r} ({use.field}) is {phase}: {cause} (`kubectl describe "
+            f"pvc {use.claim}` says why); set a storage class the cluster has (`kubectl get "
+            "storageclass`) or create a PersistentVolume for it"
+        )
+    return tuple(out)

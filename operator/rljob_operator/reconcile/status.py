@@ -115,6 +115,9 @@ class Observed:
       each pod Kueue admitted, the nodeLabels and tolerations of its flavors (the pods step applies them).
     - preemption: this reconcile's step of a cooperative preemption (`preemption.decide`), with
       the sentence for the Preempted condition.
+    - unbound_claims: read once the scheduler refused a pod (`lifecycle.unbound_claims`): an
+      Unschedulable pod then reads ClaimNotBound, naming the claim instead of the scheduler's
+      "unbound immediate PersistentVolumeClaims".
     """
 
     spec: api.RLJobSpec | None = None
@@ -133,6 +136,7 @@ class Observed:
     queue: api.QueueStatus | None = None
     placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
     preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
+    unbound_claims: tuple[str, ...] = ()  # claims that exist but are not bound: one sentence each
 
 
 def _condition(
@@ -210,13 +214,15 @@ def compute_rollout(
     return api.RolloutStatus.model_validate(out.model_dump())  # refresh enginesAwakeTotal
 
 
-def _pod_issue(pods: Sequence[PodObservation]) -> tuple[str, str] | None:
+def _pod_issue(pods: Sequence[PodObservation], unbound_claims: Sequence[str] = ()) -> tuple[str, str] | None:
     """The first pod-level cause that keeps the attempt from running: (reason, message naming the pod)."""
     for p in sorted(pods, key=lambda p: (p.role != names.ROLE_TRAINER, p.index)):
         if p.deleting or p.phase != "Pending":
             continue
         if p.waiting_reason:
             return p.waiting_reason, f"pod {p.name}: {p.waiting_message}"
+        if p.unschedulable and unbound_claims:
+            return "ClaimNotBound", f"{'; '.join(unbound_claims)} (pod {p.name} waits for it)"
         if p.unschedulable:
             return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
     return None
@@ -352,7 +358,7 @@ def compute_status(
         new.start_time = new.start_time or now
         all_running = desired > 0 and running >= desired and not observed.waiting
         new.phase = "Running" if all_running else "Pending"
-        issue = None if all_running else _pod_issue(observed.pods)
+        issue = None if all_running else _pod_issue(observed.pods, observed.unbound_claims)
         if issue is not None:
             put(READY, False, issue[0], f"{issue[1]} ({running}/{desired} pods running)")
         else:

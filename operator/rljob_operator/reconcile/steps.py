@@ -336,14 +336,21 @@ def _first_pods_of_attempt(ctx: Ctx) -> bool:
 
 
 async def _step_volumes(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Before an attempt's first pod: every claim exists and every pod that mounts it can."""
-    if not _first_pods_of_attempt(ctx):
+    """Before an attempt's first pod: every claim exists and every pod that mounts it can. Once the
+    scheduler refuses a pod of the attempt: which claims are not bound (the status names them)."""
+    first = _first_pods_of_attempt(ctx)
+    refused = any(p.attempt == ctx.attempt and p.unschedulable and not p.deleting for p in ctx.pods)
+    if not (first or refused):
         return seen, False
     assert seen.layout is not None
     uses = lifecycle.claims_of(spec_of(seen), seen.layout)
+    if not uses:
+        return seen, False
     claims = {u.claim: await ctx.state.kube.read_pvc(ctx.job.namespace, u.claim) for u in uses}
-    lifecycle.check_claims(uses, claims, ctx.job.namespace)
-    return seen, False
+    if first:
+        lifecycle.check_claims(uses, claims, ctx.job.namespace)
+        return seen, False
+    return dataclasses.replace(seen, unbound_claims=lifecycle.unbound_claims(uses, claims)), False
 
 
 async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
