@@ -1,11 +1,15 @@
 # The README's two commands are `make demo` and `make test`; both set up everything they need.
-.PHONY: demo test setup cluster-up cluster-down crd bench
+.PHONY: demo test test-fast setup cluster-up cluster-down crd bench
 
 demo:
 	scripts/demo.sh
 
 test:
 	scripts/test.sh
+
+# The inner loop: lint, contracts, CRD and the tests that need no cluster and no Ray (a few minutes).
+test-fast:
+	scripts/test-fast.sh
 
 setup:
 	scripts/bootstrap.sh

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 echo "==> ruff" >&2
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "==> import contracts" >&2
 .venv/bin/lint-imports
 echo "==> CRD is generated from the API models" >&2

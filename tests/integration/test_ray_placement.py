@@ -26,7 +26,7 @@ from trainer_configs import toy_config
 from rljob_trainer import __main__ as entry
 from rljob_trainer import runtimes
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.ray]
 
 
 class Probe:

@@ -27,7 +27,7 @@ from rljob_trainer import __main__ as entry
 from rljob_trainer import driver, runtimes, telemetry_sink, trainer
 from rljob_trainer.engines import base
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.ray]
 
 
 def _cfg(**rollout: Any) -> Any:
