@@ -12,6 +12,8 @@ echo "==> import contracts" >&2
 .venv/bin/lint-imports
 echo "==> CRD is generated from the API models" >&2
 .venv/bin/rljob crd --check
+echo "==> docs build strictly (broken links, anchors, pages left out of the nav)" >&2
+.venv/bin/mkdocs build --strict --quiet
 echo "==> pytest" >&2
 # Two xdist workers, each with its own control plane on free ports. The slowest modules come first
 # (tests/conftest.py) and an idle worker steals queued tests from the other (--dist worksteal), so
