@@ -197,3 +197,23 @@ def next_prompts(
         out.extend(order[index : index + take])
         index += take
     return out, SamplerState(epoch, index)
+
+
+def drop_overlong_prompts(
+    examples: list[Example], prompt_tokens: list[int], *, max_prompt_tokens: int, source: str
+) -> tuple[list[Example], list[int]]:
+    """(the examples whose prompt fits `max_prompt_tokens`, the row indices of those that do not).
+
+    A prompt is never cut: cutting from the left drops the chat template's header and the question's
+    start, and the model trains on a prompt nobody wrote (verl's `filter_overlong_prompts` drops them
+    too). Raises naming the first row when no prompt fits.
+    """
+    dropped = [i for i, n in enumerate(prompt_tokens) if n > max_prompt_tokens]
+    if len(dropped) == len(examples):
+        first = dropped[0]
+        raise ValueError(
+            f"{source}: every prompt is longer than lengths.maxPromptTokens ({max_prompt_tokens}): row "
+            f"{first} has {prompt_tokens[first]} tokens; raise spec.lengths.maxPromptTokens"
+        )
+    skip = set(dropped)
+    return [e for i, e in enumerate(examples) if i not in skip], dropped
