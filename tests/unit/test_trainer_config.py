@@ -134,6 +134,9 @@ def test_sync_report_json_is_camel_case():
         "releasedRolloutPods",
         "lostRolloutPods",
         "stalenessMax",
+        "evalMeanReward",
+        "droppedPrompts",
+        "trackerErrors",
     }
 
 
