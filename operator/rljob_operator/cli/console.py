@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -23,6 +24,7 @@ from rljob_trainer import telemetry
 
 PLOTS: tuple[tuple[str, str], ...] = (
     ("reward", "mean_reward"),
+    ("eval reward", "eval_mean_reward"),
     ("loss", "loss"),
     ("tokens/s", "tokens_per_s"),
     ("engines awake", "engines_awake"),
@@ -42,11 +44,17 @@ def _age(then: str | None, now: datetime) -> str:
     return f"{s // 3600}h"
 
 
+def _value(x: float | None) -> float:
+    """A reported value, NaN where the driver reported none (not finite, or no evaluation then)."""
+    return float("nan") if x is None else x
+
+
 def _series(reports: Sequence[telemetry.SyncReport]) -> dict[str, list[float]]:
     return {
         "step": [float(r.step) for r in reports],
-        "mean_reward": [r.mean_reward for r in reports],
-        "loss": [r.loss for r in reports],
+        "mean_reward": [_value(r.mean_reward) for r in reports],
+        "eval_mean_reward": [_value(r.eval_mean_reward) for r in reports],
+        "loss": [_value(r.loss) for r in reports],
         "tokens_per_s": [r.tokens_per_s for r in reports],
         "engines_awake": [float(r.shared_engines_awake + r.dedicated_engines) for r in reports],
     }
@@ -119,8 +127,11 @@ def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: i
     plt.plotsize(width, height * rows)
     for i, (title, key) in enumerate(PLOTS):
         plt.subplot(i // 2 + 1, i % 2 + 1)
-        plt.plot(steps, list(series[key]), marker="braille")
-        plt.title(title)
+        # NaN marks a step without a value (no evaluation then, a loss that was not finite)
+        points = [(x, y) for x, y in zip(steps, series[key], strict=True) if math.isfinite(y)]
+        if points:
+            plt.plot([x for x, _ in points], [y for _, y in points], marker="braille")
+        plt.title(title if points else f"{title} (none reported)")
         plt.xlabel("step")
     text = plt.uncolorize(plt.build())
     plt.clear_figure()
@@ -145,7 +156,12 @@ ENGINE_PLAN = (
     ("maxNumSeqs", "maxNumSeqs"),
     ("maxNumBatchedTokens", "maxNumBatchedTokens"),
 )
-PROGRESS = (("reward", "meanReward"), ("loss", "loss"), ("tokens/s", "tokensPerSecond"))
+PROGRESS = (
+    ("reward", "meanReward"),
+    ("eval reward", "evalReward"),
+    ("loss", "loss"),
+    ("tokens/s", "tokensPerSecond"),
+)
 ROLLOUT = (
     ("engines awake", "enginesAwakeTotal"),
     ("desired dedicated", "desiredDedicatedEngines"),
