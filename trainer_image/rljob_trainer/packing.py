@@ -203,37 +203,3 @@ def token_log_probs(
     device = next(model.parameters()).device
     logits = model(input_ids=ids.to(device), use_cache=False).logits[0]
     return _next_token_log_probs(logits, ids[0].to(device), temperature, 1.0, with_entropy=False)[0]
-
-
-def sequence_mean_policy_loss(
-    log_probs: Sequence[torch.Tensor],
-    advantages: torch.Tensor,
-    num_sequences_global: int,
-    *,
-    old_log_probs: Sequence[torch.Tensor] | None = None,
-    clip_eps: float = 0.2,
-) -> torch.Tensor:
-    """GRPO's clipped surrogate, averaged over each sequence's tokens, summed, divided by the global count.
-
-    Args:
-        log_probs: this rank's (micro-batch's) samples, each [L_i − 1], with grad.
-        advantages: [N_local], one per sample.
-        num_sequences_global: sequences in the whole mini-batch across all ranks; dividing by it (not
-            by the local count) makes the all-reduced SUM of gradients the global mean, independent of
-            which rank holds which sample — what DP balancing relies on.
-        old_log_probs: rollout-policy log-probs, same shapes; None means on-policy (ratio 1).
-        clip_eps: PPO clip range.
-
-    Returns:
-        scalar loss tensor (the caller calls `.backward()` / `.item()`).
-    """
-    if len(log_probs) != advantages.shape[0]:
-        raise ValueError(f"{len(log_probs)} log-prob sequences but {advantages.shape[0]} advantages")
-    total = advantages.new_zeros((), dtype=torch.float32)
-    for i, lp in enumerate(log_probs):
-        old = lp.detach() if old_log_probs is None else old_log_probs[i]
-        ratio = torch.exp(lp - old)
-        adv = advantages[i].float()
-        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-        total = total - surrogate.mean()
-    return total / num_sequences_global
