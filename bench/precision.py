@@ -89,7 +89,7 @@ def measure(
     variants: dict[str, tuple[trainer.TrainingRank, trainer.RankMiniBatch]], rounds: int
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {k: [] for k in variants}
-    for name, (rank, mb) in variants.items():  # warm-up
+    for rank, mb in variants.values():  # warm-up
         rank.train_step([mb])
     for _ in range(rounds):
         for name, (rank, mb) in variants.items():
