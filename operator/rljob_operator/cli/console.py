@@ -22,9 +22,10 @@ from typing import Any
 from rljob_operator import api, names
 from rljob_trainer import telemetry
 
+# Curves drawn into another plot's panel, with a legend: the held-out reward beside the training one.
+OVERLAYS: dict[str, tuple[str, str]] = {"mean_reward": ("eval_mean_reward", "eval")}
 PLOTS: tuple[tuple[str, str], ...] = (
     ("reward", "mean_reward"),
-    ("eval reward", "eval_mean_reward"),
     ("loss", "loss"),
     ("tokens/s", "tokens_per_s"),
     ("engines awake", "engines_awake"),
@@ -113,6 +114,14 @@ def build_status_view(
     }
 
 
+def _points(steps: Sequence[float], values: Sequence[float]) -> list[tuple[float, float]]:
+    return [(x, y) for x, y in zip(steps, values, strict=True) if math.isfinite(y)]
+
+
+def _columns(points: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    return [x for x, _ in points], [y for _, y in points]
+
+
 def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: int = 10) -> str:
     """The history as terminal line plots, two per row (plotext, no colours)."""
     import plotext as plt
@@ -127,11 +136,14 @@ def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: i
     plt.plotsize(width, height * rows)
     for i, (title, key) in enumerate(PLOTS):
         plt.subplot(i // 2 + 1, i % 2 + 1)
-        # NaN marks a step without a value (no evaluation then, a loss that was not finite)
-        points = [(x, y) for x, y in zip(steps, series[key], strict=True) if math.isfinite(y)]
-        if points:
-            plt.plot([x for x, _ in points], [y for _, y in points], marker="braille")
-        plt.title(title if points else f"{title} (none reported)")
+        overlay = OVERLAYS.get(key)
+        # NaN marks a step without a value (a loss that was not finite, no evaluation at that step)
+        extra = _points(steps, series[overlay[0]]) if overlay else []
+        label = {"label": "train"} if extra else {}
+        plt.plot(*_columns(_points(steps, series[key])), marker="braille", **label)
+        if overlay and extra:
+            plt.plot(*_columns(extra), marker="braille", label=overlay[1])
+        plt.title(title)
         plt.xlabel("step")
     text = plt.uncolorize(plt.build())
     plt.clear_figure()
