@@ -43,7 +43,8 @@ def processed_logits(logits: torch.Tensor, *, temperature: float, top_p: float) 
     z = logits.float()
     if is_greedy(temperature):
         return z
-    z = z / temperature
+    if temperature != 1.0:
+        z = z / temperature
     if top_p >= 1.0:
         return z
     flat = z.reshape(-1, z.shape[-1])
@@ -76,9 +77,12 @@ def token_log_probs(
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
-    if with_entropy:
+    if with_entropy:  # in row chunks: a [T, V] temporary per chunk, not per micro-batch
         with torch.no_grad():
-            lp = z - lse.unsqueeze(-1)
-            p = lp.exp()
-            entropy = -(p * lp.masked_fill(p == 0, 0.0)).sum(-1)
+            parts = []
+            for i in range(0, z.shape[0], TOP_P_CHUNK_ROWS):
+                lp = z[i : i + TOP_P_CHUNK_ROWS] - lse[i : i + TOP_P_CHUNK_ROWS].unsqueeze(-1)
+                p = lp.exp()
+                parts.append(-(p * lp.masked_fill(p == 0, 0.0)).sum(-1))
+            entropy = torch.cat(parts) if parts else lse.new_zeros(0)
     return logp, entropy
