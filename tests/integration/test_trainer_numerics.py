@@ -129,3 +129,28 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills() -> None:
     # the toy task starts at ~1/19 accuracy: most groups get all-zero rewards and are dropped
     assert sum(r["rollout/filtered_groups"] for r in rows) > 0
     assert any(r["rollout/generation_rounds"] > 1 for r in rows), "no refill happened"
+
+
+def test_loss_metrics_are_means_over_the_steps_updates() -> None:
+    cfg = _local(grpo={"miniBatchesPerStep": 2, "ppoEpochs": 2, "maxSteps": 1})
+    d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg))
+    (m,) = d.run(1)
+    d.shutdown()
+    assert len(m["pg_loss_updates"]) == 4
+    assert m["pg_loss"] == pytest.approx(sum(m["pg_loss_updates"]) / 4, abs=1e-7)  # not their sum
+    for key in ("entropy", "ppo_kl", "clipfrac_low", "clipfrac_high"):
+        assert math.isfinite(m[key]), key
+    assert m["entropy"] > 0 and m["clipfrac"] == pytest.approx(m["clipfrac_low"] + m["clipfrac_high"])
+
+
+def test_the_default_tis_cap_is_the_one_truncated_fraction_counts_against() -> None:
+    cfg = _local(grpo={"policyLoss": "clipped-tis"})
+    assert cfg.grpo.tis_cap == 2.0
+    rank = trainer.TrainingRank(cfg, 0, 1)
+    rank.setup("127.0.0.1", 0)
+    prompt, response = (3, 4, 5, 6), (7, 8)
+    (old,) = rank.compute_log_probs([trainer.TrainSample(prompt, response, 1.0)])
+    # the engine sampled these tokens with log-probs 2 below the trainer's: IS weight e^2 > tisCap 2
+    sample = trainer.TrainSample(prompt, response, 1.0, rollout_logprobs=tuple(x - 2.0 for x in old))
+    stats = rank.train_step([trainer.RankMiniBatch((sample,), 1, len(response))])
+    assert stats["is_truncated_tokens"] == len(response), stats["is_truncated_tokens"]
