@@ -629,6 +629,8 @@ class TrainingRank:
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, state["model"], options=opts)
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
+        if self._mp is not None:
+            self._mp.publish()  # the loaded masters into the compute copy
         torch.random.set_rng_state(state["rng"][self.rank])
 
     def shutdown(self) -> None:
