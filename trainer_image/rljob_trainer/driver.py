@@ -124,7 +124,11 @@ class GRPODriver:
         self.clock = clock
         self.wall_clock = wall_clock
         self.tokenizer = modeling.load_tokenizer(cfg.model)
-        self.examples, self.dropped_prompts = self._load_examples(cfg.data)
+        # Prompts over lengths.maxPromptTokens are dropped, never cut (metric data/dropped_prompts).
+        self.examples, dropped = data.load_fitting_examples(
+            cfg.data, self.tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
+        )
+        self.dropped_prompts = len(dropped)
         self.reward_fn = rewards.build_reward_fn(cfg.rewards)
         self.adv_fn = algos.get_adv_estimator(cfg.grpo.adv_estimator)
         self.spec = trainer.micro_batch_spec(cfg.batching)
@@ -572,28 +576,6 @@ class GRPODriver:
             [e.prompt for e in exs], completions, [e.answer for e in exs]
         )
         return dynamic_sampling.ScoredBatch(outs, example_ids, list(job.group_ids), totals, parts)
-
-    def _load_examples(self, settings: config_mod.DataSettings) -> tuple[list[data.Example], int]:
-        """The examples whose prompt fits lengths.maxPromptTokens; the others are dropped, never cut,
-        and counted (metric `data/dropped_prompts`, SyncReport `droppedPrompts`)."""
-        examples = data.load_examples(settings)
-        tokens = [
-            len(data.encode_prompt(self.tokenizer, e.prompt, chat_template=settings.chat_template))
-            for e in examples
-        ]
-        limit = self.cfg.lengths.max_prompt_tokens
-        kept, dropped = data.drop_overlong_prompts(
-            examples, tokens, max_prompt_tokens=limit, source=settings.path or settings.hub_id or "data"
-        )
-        if dropped:
-            log.warning(
-                "%d of %d prompts are longer than lengths.maxPromptTokens (%d) and are dropped (rows %s)",
-                len(dropped),
-                len(examples),
-                limit,
-                dropped[:10],
-            )
-        return kept, len(dropped)
 
     @property
     def lookahead(self) -> int:

@@ -94,25 +94,15 @@ class Evaluator:
         ev = cfg.evaluation
         if ev is None:
             raise ValueError("evaluation is not configured")
-        examples = data.load_examples(ev.data)
-        encoded = [
+        examples, _ = data.load_fitting_examples(
+            ev.data, tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
+        )
+        examples = examples[: ev.max_samples]
+        prompts = [
             data.encode_prompt(tokenizer, e.prompt, chat_template=ev.data.chat_template) for e in examples
         ]
-        kept, dropped = data.drop_overlong_prompts(
-            examples,
-            [len(p) for p in encoded],
-            max_prompt_tokens=cfg.lengths.max_prompt_tokens,
-            source=f"evaluation data {ev.data.path or ev.data.hub_id or ev.data.builtin}",
-        )
-        skip = set(dropped)
-        prompts = [p for i, p in enumerate(encoded) if i not in skip][: ev.max_samples]
-        if dropped:
-            log.warning("evaluation: %d prompts over lengths.maxPromptTokens dropped", len(dropped))
         return cls(
-            ev,
-            examples=kept[: ev.max_samples],
-            prompts=prompts,
-            max_response_tokens=cfg.lengths.max_response_tokens,
+            ev, examples=examples, prompts=prompts, max_response_tokens=cfg.lengths.max_response_tokens
         )
 
     def due(self, step: int) -> bool:
