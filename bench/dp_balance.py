@@ -158,7 +158,7 @@ def _e2e_worker(rank: int, port: int, out_dir: str, repeats: int) -> None:
     import torch.distributed as dist
     import transformers
 
-    from rljob_trainer import packing
+    from rljob_trainer import algos, packing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -194,7 +194,20 @@ def _e2e_worker(rank: int, port: int, out_dir: str, repeats: int) -> None:
         for mb in microbatch.plan_micro_batches([lengths[i] for i in mine], E2E_SPEC, k):
             idx = [mine[j] for j in mb]
             lps = packing.packed_token_log_probs(model, packing.pack_sequences([samples[i] for i in idx]))
-            packing.sequence_mean_policy_loss(lps, advantages[idx], len(lengths)).backward()
+            logp = torch.cat(lps)  # on-policy: ratio 1, the registered GRPO loss and aggregation
+            adv = torch.cat(
+                [torch.full((len(lp),), float(advantages[i])) for lp, i in zip(lps, idx, strict=True)]
+            )
+            seq_ids = torch.cat([torch.full((len(lp),), n, dtype=torch.long) for n, lp in enumerate(lps)])
+            per_tok, _ = algos.clipped_policy_loss(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2)
+            algos.aggregate_loss(
+                per_tok,
+                torch.ones_like(logp),
+                seq_ids,
+                mode="seq-mean-token-mean",
+                global_num_seqs=len(lengths),
+                global_num_tokens=max(1, len(logp)),
+            ).backward()
         for p in model.parameters():  # the gradient sync every rank waits on
             dist.all_reduce(p.grad)
         optimizer.step()

@@ -209,6 +209,28 @@ INVALID_CASES: list[InvalidCase] = [
         "must divide promptsPerStep x groupSize",
     ),
     InvalidCase(
+        "cel-gspo-needs-sequence-mean",
+        {"spec.grpo.policyLoss": "gspo", "spec.grpo.lossNormalization": "tokenMean"},
+        "spec.grpo.lossNormalization",
+        "gspo optimises a mean over sequences",
+    ),
+    InvalidCase(
+        "cel-float16-refused",
+        {"spec.model.dtype": "float16"},
+        "spec.model.dtype",
+        "float16 is not supported for training",
+    ),
+    InvalidCase(
+        "pattern-mlflow-file-uri",
+        {"spec.tracking.mlflow": {"trackingUri": "file:///tmp/mlruns"}},
+        "spec.tracking.mlflow.trackingUri",
+    ),
+    InvalidCase(
+        "range-clip-ratio-c",
+        {"spec.grpo.clipRatioC": 1.0},
+        "spec.grpo.clipRatioC",
+    ),
+    InvalidCase(
         "cel-adaptive-scale-up-after-wake",
         {
             "spec.resources.adaptive": {

@@ -60,3 +60,59 @@ def test_lora_update_peak_memory_matches_the_estimate(preset: str, tokens: int) 
         f"(+ runtime {est.runtime_bytes / 2**30:.1f}), measured peak {measured / 2**30:.2f} GiB"
     )
     assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
+def test_mixed_precision_full_fine_tuning_peak_matches_the_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real `TrainingRank` (FSDP2 at world size 1, fp32 masters, bf16 compute, gradient
+    checkpointing) on a 4-layer cut of Qwen3-4B's config: one update's peak against the estimator's
+    full fine-tuning model (16 bytes/parameter of fp32 state + bf16 compute copies + activations)."""
+    import os
+
+    from rljob_trainer import config, trainer
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    text = _text_config(presets.load_preset("Qwen/Qwen3-4B"))
+    text.update(num_hidden_layers=4, torch_dtype="bfloat16")
+    tokens = 4096
+    cfg = config.parse_config(
+        {
+            "model": {"name": "qwen3-4b-cut", "source": "tiny", "hfConfig": text, "dtype": "bfloat16",
+                      "tokenizer": "builtin-digits", "finetune": "full", "gradientCheckpointing": True},
+            "lengths": {"maxPromptTokens": 8, "maxResponseTokens": tokens},
+            "grpo": {"groupSize": 2, "promptsPerStep": 1, "learningRate": 1e-5},
+            "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": 2 * tokens + 16},
+            "rollout": {"kind": "transformers", "sharedEngines": 1, "dedicatedEngines": 0},
+            "telemetry": {"enabled": False, "prometheusPort": None},
+            "distributed": {"numTrainerRanks": 1, "device": "cuda", "launcher": "local"},
+        }
+    )  # fmt: skip
+    rank = trainer.TrainingRank(cfg, 0, 1)
+    try:
+        rank.setup("127.0.0.1", int(os.environ.get("RLJOB_GPU_TEST_PORT", "29519")))
+        gen = torch.Generator().manual_seed(0)
+        samples = tuple(
+            trainer.TrainSample(
+                tuple(torch.randint(3, 16, (8,), generator=gen).tolist()),
+                tuple(torch.randint(3, 16, (tokens // 2 - 8,), generator=gen).tolist()),
+                1.0 if i else -1.0,
+            )
+            for i in range(2)
+        )
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        rank.train_step([trainer.RankMiniBatch(samples, 2, sum(len(s.response_ids) for s in samples))])
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated()
+    finally:
+        rank.shutdown()
+    est = trainer_mem.trainer_memory(
+        geometry.ModelGeometry.from_hf_config(text), 1, micro_batch_tokens=tokens
+    )
+    predicted = est.total_bytes - est.runtime_bytes
+    print(
+        f"qwen3-4b 4-layer full FT mixed precision tokens={tokens}: estimated {predicted / 2**30:.2f} GiB "
+        f"(state {est.sharded_state_bytes / 2**30:.2f}, "
+        f"compute copies {est.gathered_weight_bytes / 2**30:.2f}), "
+        f"measured peak {measured / 2**30:.2f} GiB"
+    )
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)

@@ -1,14 +1,25 @@
-"""W&B (offline) and MLflow (file store) receive the same per-step scalars as TensorBoard.
+"""W&B (offline) and MLflow (a real `mlflow server`) receive the same per-step scalars as TensorBoard,
+a non-finite one as NaN; a tracker that cannot start shows in the SyncReport the operator reads.
 
-Real packages from the `tracking` extra, no network: W&B writes its offline run file (read back
-here record by record: the file is a LevelDB-style log of W&B protobuf records), MLflow writes a
-file store read back through its own client.
+Real packages: W&B writes its offline run file (read back here record by record: the file is a
+LevelDB-style log of W&B protobuf records); MLflow is the `mlflow server` of the dev extra's full
+`mlflow` package, started here on loopback with its SQL store (as the tests start the control
+plane), and the trainer talks to it over HTTP with the tracking extra's `mlflow-skinny`, the only
+kind of tracking URI the trainer accepts (`file:` stores are refused by MLflow 3, and skinny has no
+SQL store). Read back through MLflow's own client.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import signal
+import socket
 import struct
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,42 +92,136 @@ def _wandb_history(run_dir: Path, timeout_s: float = 60.0) -> list[dict[str, flo
         time.sleep(0.5)
 
 
-def test_wandb_offline_and_mlflow_file_store_get_every_step(tmp_path: Path, monkeypatch: Any) -> None:
+# A reward whose group mean overflows float64 at its second call (step 2): that step's loss is NaN.
+NAN_AT_STEP_2 = """
+CALLS = [0]
+
+def reward(prompts, completions, answers, **kwargs):
+    CALLS[0] += 1
+    value = 1e308 if CALLS[0] == 2 else 0.0
+    return [value if i % 2 else 0.5 * value + (i % 3) for i in range(len(completions))]
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `mlflow server` on a free loopback port (SQL store in a temp dir); its URI."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its uvicorn and job-runner children go with it
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300  # a loaded two-core machine took 2.5 min to import the server
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not come up in 300 s"
+            time.sleep(1.0)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_wandb_offline_and_a_real_mlflow_server_get_every_step_nan_included(
+    tmp_path: Path, monkeypatch: Any, mlflow_server: str
+) -> None:
     from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store opt-in
-    uri = f"file:{tmp_path / 'mlruns'}"
+    reward = tmp_path / "reward.py"
+    reward.write_text(NAN_AT_STEP_2)
     cfg = toy_config(
         grpo={"maxSteps": 3, "promptsPerStep": 4, "groupSize": 4},
         distributed={"numTrainerRanks": 1, "launcher": "local"},
+        rewards=[{"name": "module", "path": str(reward), "function": "reward"}],
         checkpoint={"dir": str(tmp_path / "ckpt"), "intervalSteps": 10},
         export={"final": False, "everyCheckpoint": False},
         tracking={
             "wandb": {"project": "rljob-test", "mode": "offline"},
-            "mlflow": {"trackingUri": uri, "experiment": "rljob-test"},
+            "mlflow": {"trackingUri": mlflow_server, "experiment": "rljob-test"},
         },
     )
     d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
-    assert d.tracker.names == ["tensorboard", "wandb", "mlflow"]
+    assert d.tracker.names == ["tensorboard", "wandb", "mlflow"] and d.tracker.errors == []
     try:
         metrics = d.run()
     finally:
         d.shutdown()
+    assert math.isnan(metrics[1]["loss"]) and metrics[1]["train/skipped_steps"] == 1
+    assert d.state.history[-1].tracker_errors == []
+
+    def same(got: list[float], want: list[float]) -> bool:  # a value that is not finite arrives as NaN
+        return all(
+            (math.isnan(g) and not math.isfinite(w)) or g == pytest.approx(w)
+            for g, w in zip(got, want, strict=True)
+        )
 
     rows = _wandb_history(tmp_path / "ckpt")
     assert [int(r["_step"]) for r in rows] == [1, 2, 3]
-    for key in KEYS:
+    for key in (*KEYS, "train/skipped_steps"):
         assert all(key in r for r in rows), key
     for key in ("mean_reward", "loss", "grad_norm"):
-        assert [r[key] for r in rows] == pytest.approx([m[key] for m in metrics]), key
+        assert same([r[key] for r in rows], [m[key] for m in metrics]), key
 
-    client = MlflowClient(uri)
+    client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name("rljob-test")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
-    for key in KEYS:
+    for key in (*KEYS, "train/skipped_steps"):
         history = client.get_metric_history(run.info.run_id, key)
-        assert [h.step for h in history] == [1, 2, 3], key
-    loss = [h.value for h in client.get_metric_history(run.info.run_id, "loss")]
-    assert loss == pytest.approx([m["loss"] for m in metrics])
+        assert sorted(h.step for h in history) == [1, 2, 3], key
+    loss = [h.value for h in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda h: h.step)]
+    assert same(loss, [m["loss"] for m in metrics]), loss
+
+    acc = EventAccumulator(str(tmp_path / "ckpt" / "tensorboard"))
+    acc.Reload()
+    assert same([e.value for e in acc.Scalars("loss")], [m["loss"] for m in metrics])
+
+
+def test_a_tracker_that_cannot_start_is_reported_to_the_operator(tmp_path: Path) -> None:
+    cfg = toy_config(
+        grpo={"maxSteps": 1, "promptsPerStep": 2, "groupSize": 2},
+        distributed={"numTrainerRanks": 1, "launcher": "local"},
+        # nothing listens there: MLflow's client fails when the tracker starts
+        tracking={"mlflow": {"trackingUri": f"http://127.0.0.1:{_free_port()}", "experiment": "x"}},
+    )
+    d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
+    try:
+        d.run()
+    finally:
+        d.shutdown()
+    (error,) = d.state.history[-1].tracker_errors
+    assert error.startswith("mlflow could not start:"), error

@@ -456,7 +456,7 @@ def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis()
     colocated = make_spec(**{"resources.static": {"trainerAccelerators": 24, "rolloutAccelerators": 0}})
     cfg = configmaps.render_trainer_config(colocated, static_plan(colocated), {"model_type": "llama"})
     assert cfg.rollout.max_dedicated_engines == 0
-    assert cfg.grpo.max_staleness == 0 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+    assert cfg.grpo.max_staleness == 0 and cfg.grpo.policy_loss == "clipped"  # no TIS: nothing truncated
 
     chosen = make_spec(
         **{
@@ -469,5 +469,37 @@ def test_max_staleness_defaults_to_one_with_dedicated_engines_and_turns_on_tis()
         }
     )
     cfg = configmaps.render_trainer_config(chosen, static_plan(chosen), {"model_type": "llama"})
-    assert cfg.grpo.max_staleness == 3 and cfg.grpo.policy_loss == "clipped" and cfg.grpo.tis_cap is None
+    assert cfg.grpo.max_staleness == 3 and cfg.grpo.policy_loss == "clipped"  # tisCap 0: no TIS
     assert cfg.rollout.weight_sync == "object-store" and cfg.rollout.engine_timeout_s == 30
+
+
+def test_evaluation_gspo_and_the_numerics_settings_reach_the_trainer() -> None:
+    spec = make_spec(
+        grpo={"policyLoss": "gspo", "clipRatioC": 4.0, "maxSkippedSteps": 2, "maxStaleness": 0,
+              "dynamicSampling": {"enabled": True, "maxGenerationRounds": 2}},
+        evaluation={"data": {"source": {"builtin": {"name": "gsm8k-sample"}}}, "everySteps": 5,
+                    "maxSamples": 9},
+    )  # fmt: skip
+    cfg = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
+    g = cfg.grpo
+    assert (g.policy_loss, g.clip_ratio_c, g.max_skipped_steps) == ("gspo", 4.0, 2)
+    assert g.dynamic_sampling.enabled and g.dynamic_sampling.max_generation_rounds == 2
+    ev = cfg.evaluation
+    assert (
+        ev is not None and ev.every_steps == 5 and ev.max_samples == 9 and ev.data.builtin == "gsm8k-sample"
+    )
+    assert ev.temperature == 0.0 and ev.samples_per_prompt == 1  # greedy, one sample per prompt
+    tis = make_spec(grpo={"policyLoss": "gspo", "maxStaleness": 1})
+    assert configmaps.render_trainer_config(
+        tis, static_plan(tis), {"model_type": "llama"}
+    ).grpo.policy_loss == ("gspo-tis")
+
+
+def test_held_out_data_on_another_claim_is_refused_naming_the_field() -> None:
+    spec = make_spec(
+        data={"source": {"pvc": {"claimName": "train", "path": "a.jsonl"}}},
+        evaluation={"data": {"source": {"pvc": {"claimName": "other", "path": "b.jsonl"}}}},
+    )
+    with pytest.raises(errors.InvalidSpecError) as info:
+        configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
+    assert "spec.evaluation.data.source.pvc" in str(info.value)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import pytest
+
 from rljob_operator.cli import commands, console
 from rljob_trainer import telemetry
 
@@ -105,3 +107,17 @@ def test_status_shows_draining_and_replaced_rollout_pods() -> None:
     assert "replaced after an engine loss: 2" in text
     plain = console.render_status(console.build_status_view(RLJOB, [], []), now=NOW, plots=False)
     assert "draining" not in plain and "replaced" not in plain
+
+
+def test_the_eval_reward_is_plotted_at_the_steps_that_evaluated() -> None:
+    reports = [
+        _report(s, 0.1 * s).model_copy(update={"eval_mean_reward": 0.2 * s if s % 2 == 0 else None})
+        for s in range(1, 9)
+    ]
+    reports[2] = reports[2].model_copy(update={"loss": None})  # a skipped step: no finite loss
+    view = console.build_status_view(RLJOB, reports, [])
+    series = view["series"]["eval_mean_reward"]
+    assert [x for x in series if x == x] == pytest.approx([0.4, 0.8, 1.2, 1.6])
+    # (one render per process, as the CLI does: plotext 5.3 keeps subplot state across figures)
+    text = console.render_status(view, now=NOW, width=80)
+    assert "eval" in text and "train" in text  # both curves in the reward panel, with a legend

@@ -283,3 +283,21 @@ def test_cpu_device_has_no_cuda_allowance_and_explicit_dtype_is_kept() -> None:
     # an engine never needs more sequences than one step makes: 16 prompts x 8 samples
     assert plan.max_num_seqs == 128
     assert plan.max_num_batched_tokens == 256  # max_model_len (max_position_embeddings) >= 128 sequences
+
+
+def test_trainer_memory_counts_mixed_precision_as_the_trainer_holds_it() -> None:
+    from rljob_operator.estimator import geometry
+    from rljob_operator.estimator import trainer as trainer_mem
+
+    model = geometry.ModelGeometry.from_hf_config(load_preset("Qwen/Qwen3-4B"))
+    one = trainer_mem.trainer_memory(model, 1, micro_batch_tokens=4096)
+    p = model.total_params
+    assert one.sharded_state_bytes == 16 * p  # fp32 masters, grads, AdamW m and v
+    # bf16 compute copies exist at one rank too (FSDP2's policy casts the fp32 masters)
+    assert one.gathered_weight_bytes >= model.embedding_params() * 2
+    with_ref = trainer_mem.trainer_memory(model, 4, micro_batch_tokens=4096, reference=True)
+    assert with_ref.sharded_state_bytes == -(-(16 * p + 2 * p) // 4)
+    _, reason = trainer_mem.min_trainer_accelerators(
+        model, get_device("H100-80GB"), max_accelerators=8, micro_batch_tokens=4096
+    )
+    assert "mixed precision (fp32 masters, grads and AdamW state, sharded; compute in bfloat16)" in reason

@@ -276,3 +276,44 @@ def test_transitions_and_event_types() -> None:
 @given(st.one_of(st.none(), st.floats(0, 1000)), st.floats(0, 2000), st.floats(0.1, 100))
 def test_should_post(last: float | None, now: float, interval: float) -> None:
     assert status.should_post(last, now, interval) == (last is None or now - last >= interval)
+
+
+def _report(**over: object) -> SyncReport:
+    base = SyncReport(
+        step=7, time=T1.timestamp(), intervalS=10, trainerWaitS=1, generationS=5, trainingS=4,
+        inflightRequestSeconds=20, engineSeconds=10, snapshotInflight=0, sharedEnginesAwake=1,
+        dedicatedEngines=2, meanReward=0.5, loss=0.1, tokensPerS=100, responseLenMean=50,
+    )  # fmt: skip
+    return base.model_copy(update=over)
+
+
+def test_a_skipped_step_reports_no_loss_and_the_eval_reward_stays_until_the_next_evaluation() -> None:
+    nan_report = SyncReport.model_validate(
+        {**_report().model_dump(by_alias=True), "loss": float("nan"), "meanReward": float("inf")}
+    )
+    assert nan_report.loss is None and nan_report.mean_reward is None  # JSON has no NaN
+    evaluated = compute(pods=ALL_RUNNING, report=_report(eval_mean_reward=0.25))
+    assert evaluated.progress is not None and evaluated.progress.eval_reward == 0.25
+    later = compute(old=evaluated, pods=ALL_RUNNING, report=nan_report.model_copy(update={"step": 8}))
+    assert later.progress is not None and later.progress.loss is None and later.progress.eval_reward == 0.25
+
+
+def test_a_tracker_that_could_not_start_is_a_warning_condition_and_dropped_prompts_are_told() -> None:
+    spec = make_spec(tracking={"mlflow": {"trackingUri": "http://mlflow.example:5000"}})
+    observed = status.Observed(
+        spec=spec,
+        plan=PLAN,
+        layout=LAYOUT,
+        pods=ALL_RUNNING,
+        report=_report(
+            tracker_errors=["mlflow could not start: ConnectionError: refused"], dropped_prompts=3
+        ),
+    )
+    st_ = status.compute_status(api.RLJobStatus(), observed, generation=3, now=T0)
+    tracking = cond(st_, status.TRACKING)
+    assert tracking.status == "False" and tracking.reason == "TrackerFailed" and "refused" in tracking.message
+    assert status.event_type(tracking) == "Warning"
+    filtered = cond(st_, status.DATA_FILTERED)
+    assert filtered.reason == "PromptsDropped" and filtered.message.startswith("3 prompts are longer")
+    fine = status.compute_status(st_, dataclasses.replace(observed, report=_report()), generation=3, now=T1)
+    assert cond(fine, status.TRACKING).status == "True"

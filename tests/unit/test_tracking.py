@@ -25,12 +25,15 @@ def _cfg(**over: Any) -> config.TrainerConfig:
     )  # fmt: skip
 
 
-def test_scalars_keep_finite_numbers_and_add_engines() -> None:
+def test_scalars_keep_numbers_log_non_finite_as_nan_and_add_engines() -> None:
     metrics = {
         "step": 3, "mean_reward": 0.5, "reward/mathAccuracy": 0.5, "loss": 0.1, "dp_balance/applied": 1,
-        "prompt_indices": [1, 2], "nan_metric": math.nan, "flag": True, "strategy": "kk",
+        "prompt_indices": [1, 2], "nan_metric": math.nan, "inf_metric": math.inf, "flag": True,
+        "strategy": "kk",
     }  # fmt: skip
     got = tracking.step_scalars(metrics, _report(), shared_engines_total=1)
+    # A diverging run must show in every tracker: non-finite values are logged as NaN, never dropped.
+    assert math.isnan(got.pop("nan_metric")) and math.isnan(got.pop("inf_metric"))
     assert got == {
         "mean_reward": 0.5, "reward/mathAccuracy": 0.5, "loss": 0.1, "dp_balance/applied": 1.0,
         "engines/shared_awake": 1.0, "engines/dedicated": 2.0, "engines_awake": 3.0, "engines_total": 3.0,

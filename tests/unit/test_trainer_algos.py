@@ -132,3 +132,57 @@ def test_registries_raise_listing_names():
         algos.get_policy_loss("nope")
     with pytest.raises(ValueError, match="already registered"):
         algos.register_adv_est("grpo")(algos.compute_grpo_advantages)
+
+
+# ---- finite or skipped: log-ratio clamp, dual-clip, GSPO, clip metrics ---------------------------
+def test_dual_clip_caps_a_negative_advantage_and_matches_the_reference() -> None:
+    logp = torch.tensor([0.0, 3.0, -0.5, 2.0, 0.1])
+    old = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    adv = torch.tensor([1.0, -1.0, -2.0, 1.0, -0.5])
+    loss, _ = algos.clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    ref = algos.clipped_policy_loss_reference(
+        logp.tolist(), old.tolist(), adv.tolist(), clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0
+    )
+    assert loss.tolist() == pytest.approx(ref, rel=1e-6)
+    assert loss[1].item() == pytest.approx(3.0)  # ratio e^3 = 20 on A = -1: capped at -A * c
+
+
+def test_a_collapsed_log_prob_gives_a_finite_loss_and_gradient() -> None:
+    # A token outside the trainer's top-p nucleus has log-prob -inf: no inf ratio, no 0 * inf.
+    logp = torch.tensor([float("-inf"), -1.0, 50.0], requires_grad=True)
+    old = torch.tensor([-1.0, -1.0, -1.0])
+    adv = torch.tensor([1.0, -1.0, -1.0])
+    loss, _ = algos.clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
+    kl = algos.kl_penalty(logp, old, "k3")
+    assert torch.isfinite(kl).all()
+
+
+def test_gspo_uses_one_ratio_per_sequence_and_matches_the_reference() -> None:
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.7, -0.1], requires_grad=True)
+    old = torch.tensor([-1.2, -1.9, -0.5, -1.5, -0.2])
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0])
+    loss, _ = algos.get_policy_loss("gspo")(logp, old, adv, clip_low=0.2, clip_high=0.2, seq_ids=seq)
+    ref = algos.gspo_policy_loss_reference(
+        logp.tolist(), old.tolist(), adv.tolist(), seq.tolist(), clip_low=0.2, clip_high=0.2
+    )
+    assert loss.tolist() == pytest.approx(ref, rel=1e-6)
+    assert loss[0].item() == loss[1].item() == loss[2].item()  # every token carries its sequence's ratio
+    loss.sum().backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert algos.needs_seq_ids("gspo") and algos.uses_rollout_logprobs("gspo-tis")
+
+
+def test_clip_metrics_split_the_clipped_tokens_by_bound() -> None:
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.0, 4.0]))
+    old = torch.zeros(4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    m = algos.ppo_clip_metrics(logp, old, adv, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    assert m["clipped_high"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert m["clipped_low"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert m["dual_clipped"].tolist() == [0.0, 0.0, 0.0, 1.0]
+    _, clipped = algos.clipped_policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    assert (clipped[:3] == m["clipped_high"][:3] + m["clipped_low"][:3]).all()
+    assert m["ppo_kl"].tolist() == pytest.approx((-logp).tolist())

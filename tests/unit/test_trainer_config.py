@@ -134,6 +134,9 @@ def test_sync_report_json_is_camel_case():
         "releasedRolloutPods",
         "lostRolloutPods",
         "stalenessMax",
+        "evalMeanReward",
+        "droppedPrompts",
+        "trackerErrors",
     }
 
 
@@ -159,3 +162,24 @@ def test_append_report_bounds_and_keeps_order():
     assert len(hist) == telemetry.MAX_REPORTS == 32
     assert [r.step for r in hist] == list(range(8, 40))
     assert telemetry.REPORTS_KEY == "reports.json"
+
+
+def test_the_cpu_stand_in_keeps_the_jobs_dtype_and_fp16_is_refused():
+    cfg = config.parse_config(
+        {"model": {"name": "m", "source": "tiny", "hfConfig": {"model_type": "qwen2"}, "dtype": "bfloat16"},
+         "rollout": {"kind": "vllm", "sharedEngines": 1},
+         "distributed": {"device": "cuda", "backend": "nccl"}}
+    )  # fmt: skip
+    cpu = config.cpu_standin(cfg)
+    assert cpu.model.dtype == "bfloat16"  # a stand-in in fp32 would hide what bf16 does to a GPU run
+    assert (cpu.distributed.device, cpu.distributed.backend, cpu.rollout.kind) == (
+        "cpu",
+        "gloo",
+        "transformers",
+    )
+    with pytest.raises(ValidationError, match="float16 is not supported for training"):
+        config.parse_config({"model": {**cfg.model.model_dump(), "dtype": "float16"}})
+    with pytest.raises(ValidationError, match=r"trackingUri|tracking_uri"):
+        config.parse_config(
+            {"model": cfg.model.model_dump(), "tracking": {"mlflow": {"trackingUri": "file:///tmp/mlruns"}}}
+        )

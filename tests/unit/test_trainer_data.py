@@ -126,3 +126,13 @@ def test_sampler_is_deterministic_and_resumable():
     assert sorted(all_idx[:7]) == list(range(7)) and sorted(all_idx[7:14]) == list(range(7))
     assert all_idx[:7] != all_idx[7:14]
     assert data.next_prompts(data.SamplerState(), 3, num_examples=5, seed=0, shuffle=False)[0] == [0, 1, 2]
+
+
+def test_overlong_prompts_are_dropped_and_counted_never_cut() -> None:
+    exs = [data.Example("a", "1"), data.Example("bb", "2"), data.Example("c", "3")]
+    kept, dropped = data.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=4, source="s")
+    assert kept == [exs[0], exs[2]] and dropped == [1]
+    with pytest.raises(
+        ValueError, match=r"every prompt is longer than lengths.maxPromptTokens \(2\): row 0 has 3"
+    ):
+        data.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=2, source="s")

@@ -36,6 +36,7 @@ class PolicyLoss(Protocol):
         *,
         clip_low: float,
         clip_high: float,
+        clip_ratio_c: float = ...,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -125,6 +126,36 @@ def compute_grpo_advantages_reference(
 
 
 # ---- policy losses -------------------------------------------------------------------------------
+# The log-ratio log π − log π_old is clamped here before exp (verl's ±20): one token whose log-prob
+# collapsed (or fell outside the trainer's top-p nucleus, -inf) must not make the ratio inf or 0·inf.
+LOG_RATIO_CLAMP = 20.0
+# Dual-clip default (Ye et al. 2020, verl's clip_ratio_c): for A < 0 the loss is at most -A·c.
+DEFAULT_CLIP_RATIO_C = 3.0
+
+
+def clamped_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """log π − log π_old clamped to ±`LOG_RATIO_CLAMP` (its gradient is 0 where clamped). (T,) -> (T,)."""
+    return torch.clamp(logp - old_logp, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def dual_clip_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float, clip_high: float, clip_ratio_c: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip with separate low/high bounds (DAPO clip-higher) and dual-clip for A < 0 (verl's
+    `compute_policy_loss_vanilla`). Inputs (T,); returns (per-token loss, clipped indicator) (T,).
+
+    loss_t = max(-A_t·ρ_t, -A_t·clip(ρ_t, 1-clip_low, 1+clip_high)), and for A_t < 0 at most
+    -A_t·clip_ratio_c (a huge ratio on a negative advantage cannot dominate the batch).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip), got {clip_ratio_c}")
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.minimum(loss, -advantages * clip_ratio_c)
+    return torch.where(advantages < 0, dual, loss), (clipped > unclipped).to(ratio.dtype)
+
+
 @register_policy_loss("clipped")
 def clipped_policy_loss(
     logp: torch.Tensor,
@@ -133,29 +164,36 @@ def clipped_policy_loss(
     *,
     clip_low: float,
     clip_high: float,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO-clip per token with separate low/high bounds (DAPO clip-higher).
+    """PPO-clip per token with separate low/high bounds (DAPO clip-higher) and dual-clip.
 
     All inputs (T,). Returns (per-token loss (T,), per-token clipped indicator (T,) float).
-    loss_t = max(-A_t·ρ_t, -A_t·clip(ρ_t, 1-clip_low, 1+clip_high)), ρ_t = exp(logp_t - old_logp_t).
+    ρ_t = exp(clamp(logp_t - old_logp_t, ±20)); the loss is `dual_clip_loss`.
     """
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    return loss, (clipped > unclipped).to(logp.dtype)
+    ratio = torch.exp(clamped_log_ratio(logp, old_logp))
+    return dual_clip_loss(
+        ratio, advantages, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+    )
 
 
 def clipped_policy_loss_reference(
-    logp: list[float], old_logp: list[float], advantages: list[float], *, clip_low: float, clip_high: float
+    logp: list[float],
+    old_logp: list[float],
+    advantages: list[float],
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
 ) -> list[float]:
     """Slow per-token reference of `clipped_policy_loss` (losses only)."""
     import math
 
     out = []
     for lp, olp, a in zip(logp, old_logp, advantages, strict=True):
-        ratio = math.exp(lp - olp)
-        out.append(max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)))
+        ratio = math.exp(min(max(lp - olp, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
+        loss = max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high))
+        out.append(min(loss, -a * clip_ratio_c) if a < 0 else loss)
     return out
 
 
@@ -167,6 +205,7 @@ def clipped_tis_policy_loss(
     *,
     clip_low: float,
     clip_high: float,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
     rollout_logp: torch.Tensor | None = None,
     tis_cap: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +218,9 @@ def clipped_tis_policy_loss(
     (no gradient), as verl's TIS and Hilton et al.'s decoupled PPO do. Without `rollout_logp` it is
     `clipped_policy_loss`. Returns (per-token loss (T,), per-token clipped indicator (T,) float).
     """
-    loss, clipped = clipped_policy_loss(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high)
+    loss, clipped = clipped_policy_loss(
+        logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+    )
     if rollout_logp is None:
         return loss, clipped
     return loss * truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap), clipped
@@ -191,7 +232,7 @@ def truncated_is_weights(
     """Per-token importance weights π_old/π_rollout, truncated at `tis_cap` and detached. (T,) -> (T,)."""
     if tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    return torch.exp(old_logp - rollout_logp).clamp(max=tis_cap).detach()
+    return torch.exp(clamped_log_ratio(old_logp, rollout_logp)).clamp(max=tis_cap).detach()
 
 
 def clipped_tis_policy_loss_reference(
@@ -277,10 +318,10 @@ def compute_off_policy_metrics_reference(
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
     """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1/k2/k3). (T,) -> (T,).
 
-    k3 = exp(ref - logp) - (ref - logp) - 1 is unbiased and non-negative; clamped as verl does to
-    keep one outlier token from dominating.
+    k3 = exp(ref - logp) - (ref - logp) - 1 is unbiased and non-negative; the log-ratio is clamped to
+    ±20 first and k3 to [-10, 10], as verl does, to keep one outlier token from dominating.
     """
-    log_ratio = logp - ref_logp
+    log_ratio = clamped_log_ratio(logp, ref_logp)
     if kind == "k1":
         return log_ratio
     if kind == "k2":
@@ -361,3 +402,113 @@ def aggregate_loss_reference(
         sums[s] = sums.get(s, 0.0) + v * m
         lens[s] = lens.get(s, 0.0) + m
     return sum(sums[s] / max(lens[s], 1.0) for s in sums) / global_num_seqs
+
+
+# ---- GSPO, clip metrics, loss traits -------------------------------------------------------------
+# verl's compute_policy_loss_gspo clamps the sequence log-ratio from above at 10.
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def _seq_mean(values: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of `values` (T,) by `seq_ids` (T,), broadcast back to tokens (T,)."""
+    n = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
+    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(
+        0, seq_ids, torch.ones_like(values)
+    )
+    return (sums / counts.clamp(min=1.0))[seq_ids]
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    seq_ids: torch.Tensor,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+    rollout_logp: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"; verl's
+    `compute_policy_loss_gspo`): one importance ratio per sequence, the geometric mean of its token
+    ratios s_i = exp(mean_t(log π_t − log π_old,t)), clipped per sequence. Token form (GSPO-token):
+    s_i,t = sg[s_i] · π_t / sg[π_t], so every token of a sequence carries the same value and the
+    gradient of log π_t. All inputs (T,), `seq_ids` the sequence of each token. With `rollout_logp`
+    (staleness > 0) each token's loss is weighted by the truncated IS weight, as `clipped-tis` does.
+    `clip_ratio_c` is accepted for a uniform call and unused (GSPO has no dual-clip). Returns
+    (per-token loss (T,), clipped indicator (T,) float).
+    """
+    del clip_ratio_c
+    seq_log_ratio = _seq_mean(clamped_log_ratio(logp, old_logp), seq_ids)
+    log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.detach(), max=GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_s)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if rollout_logp is not None:
+        loss = loss * truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap)
+    return loss, (clipped > unclipped).to(logp.dtype)
+
+
+register_policy_loss("gspo-tis")(gspo_policy_loss)
+
+
+def gspo_policy_loss_reference(
+    logp: list[float],
+    old_logp: list[float],
+    advantages: list[float],
+    seq_ids: list[int],
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> list[float]:
+    """Slow per-token reference of `gspo_policy_loss` (losses only, no TIS)."""
+    import math
+
+    per_seq: dict[int, list[float]] = {}
+    for lp, olp, s in zip(logp, old_logp, seq_ids, strict=True):
+        per_seq.setdefault(s, []).append(min(max(lp - olp, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
+    out = []
+    for a, s in zip(advantages, seq_ids, strict=True):
+        ratio = math.exp(min(sum(per_seq[s]) / len(per_seq[s]), GSPO_LOG_RATIO_MAX))
+        out.append(max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)))
+    return out
+
+
+def ppo_clip_metrics(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+) -> dict[str, torch.Tensor]:
+    """Per-token indicators of which bound of the PPO clip binds, and the ppo_kl estimate. (T,) each.
+
+    `clipped_high`: A > 0 and ρ > 1 + clip_high (the update is stopped from raising π further);
+    `clipped_low`: A < 0 and ρ < 1 − clip_low; `dual_clipped`: A < 0 and ρ > clip_ratio_c;
+    `ppo_kl`: log π_old − log π (k1 of KL(π_old‖π), clamped as the loss clamps it). Callers sum them
+    over tokens (`clipfrac_low`, `clipfrac_high`, `ppo_kl` are token means over the step's updates).
+    """
+    log_ratio = clamped_log_ratio(logp, old_logp)
+    ratio = torch.exp(log_ratio)
+    return {
+        "clipped_high": ((advantages > 0) & (ratio > 1.0 + clip_high)).to(torch.float32),
+        "clipped_low": ((advantages < 0) & (ratio < 1.0 - clip_low)).to(torch.float32),
+        "dual_clipped": ((advantages < 0) & (ratio > clip_ratio_c)).to(torch.float32),
+        "ppo_kl": -log_ratio.to(torch.float32),
+    }
+
+
+def uses_rollout_logprobs(policy_loss: str) -> bool:
+    """Whether a registered loss weights tokens by truncated importance sampling (`*-tis`)."""
+    return policy_loss.endswith("-tis")
+
+
+def needs_seq_ids(policy_loss: str) -> bool:
+    """Whether a registered loss needs each token's sequence (`seq_ids`): the sequence-level ones."""
+    return policy_loss.startswith("gspo")

@@ -121,7 +121,11 @@ class ModelSettings(_Model):
         description="'auto' loads the tokenizer next to the weights; 'builtin-char' (printable ASCII) "
         "and 'builtin-digits' (digits and + - * = #) build a character-level tokenizer in code (tiny).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="Compute dtype of training and rollout (the trainer keeps fp32 master weights and "
+        "optimizer state: rljob_trainer.precision). float16 is refused: it needs loss scaling.",
+    )
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
     lora: LoraSettings = Field(default_factory=LoraSettings)
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
@@ -134,11 +138,18 @@ class ModelSettings(_Model):
             raise ValueError("model.hubId is required when model.source is 'hub'")
         if self.source == "tiny" and not self.hf_config:
             raise ValueError("model.hfConfig is required when model.source is 'tiny'")
+        if self.dtype == "float16":
+            raise ValueError(
+                "model.dtype float16 is not supported for training: fp16 gradients underflow without loss "
+                "scaling, which rljob does not do; use bfloat16 (or float32)"
+            )
         return self
 
 
 class LengthSettings(_Model):
-    max_prompt_tokens: int = Field(512, ge=1, description="Prompts are left-truncated to this many tokens.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Prompts longer than this are dropped at load and counted, never cut."
+    )
     max_response_tokens: int = Field(1024, ge=1, description="Generation stops after this many tokens.")
 
     @property
@@ -147,6 +158,20 @@ class LengthSettings(_Model):
 
 
 # ---- GRPO ----------------------------------------------------------------------------------------
+class DynamicSamplingSettings(_Model):
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage: no gradient) are
+    dropped and the batch is refilled with more prompts, at most `maxGenerationRounds` rounds a step."""
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal and refill the batch.")
+    max_generation_rounds: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="Generation rounds per step, the step's own included: the cap on extra generation. "
+        "When it is reached, dropped groups fill the rest of the batch (counted, zero advantage).",
+    )
+
+
 class GRPOSettings(_Model):
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
@@ -187,12 +212,35 @@ class GRPOSettings(_Model):
         "synchronous loop; N lets dedicated engines generate up to N steps ahead while the trainer "
         "trains (AReaL's bounded staleness). Shared engines always stay synchronous.",
     )
-    tis_cap: float | None = Field(
-        None,
+    tis_cap: float = Field(
+        2.0,
         gt=0,
-        description="Truncated importance sampling cap for policy loss 'clipped-tis': each token's loss is "
-        "weighted by min(pi_old / pi_rollout, tisCap) with the engine's rollout log-probs.",
+        description="Truncated importance sampling cap of the '*-tis' policy losses: each token's loss is "
+        "weighted by min(pi_old / pi_rollout, tisCap) with the engine's rollout log-probs; "
+        "off_policy/truncated_fraction counts the tokens above it.",
     )
+    clip_ratio_c: float = Field(
+        3.0,
+        gt=1,
+        description="Dual-clip bound (verl's clip_ratio_c): for a negative advantage the token loss is at "
+        "most -A * clipRatioC.",
+    )
+    max_skipped_steps: int = Field(
+        5,
+        ge=1,
+        description="An optimizer step whose gradient norm is not finite is skipped (train/skipped_steps); "
+        "this many skipped in a row fail the run, naming the step and the metric.",
+    )
+    dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
+
+    @model_validator(mode="after")
+    def _gspo_mean(self) -> GRPOSettings:
+        if self.policy_loss.startswith("gspo") and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                "grpo.policyLoss gspo averages over sequences: set grpo.lossAgg to seq-mean-token-mean "
+                f"(got {self.loss_agg})"
+            )
+        return self
 
 
 class BatchingSettings(_Model):
@@ -386,7 +434,15 @@ class WandbSettings(_Model):
 
 
 class MlflowSettings(_Model):
-    tracking_uri: str = Field(..., min_length=1, description="MLflow tracking URI (http(s)://..., file:...).")
+    tracking_uri: str = Field(
+        ...,
+        min_length=1,
+        pattern=r"^https?://",
+        # What the installed MLflow (mlflow-skinny 3.x, the tracking extra) takes: a tracking server.
+        # MLflow 3.x refuses new `file:` stores, and sqlite:/postgresql: need the SQL store, which
+        # mlflow-skinny does not ship.
+        description="MLflow tracking server URI: http://... or https://... (an `mlflow server`).",
+    )
     experiment: str = Field("rljob", min_length=1, description="MLflow experiment name.")
     run_name: str | None = Field(None, description="Run name. Default: the job name.")
 
@@ -397,6 +453,18 @@ class TrackingSettings(_Model):
     )
     wandb: WandbSettings | None = Field(None, description="Weights & Biases (needs the tracking extra).")
     mlflow: MlflowSettings | None = Field(None, description="MLflow (needs the tracking extra).")
+
+
+# ---- held-out evaluation (rljob_trainer.evaluation) ----------------------------------------------
+class EvaluationSettings(_Model):
+    """Held-out evaluation on the rollout engines between steps (verl's test_freq)."""
+
+    data: DataSettings = Field(..., description="The held-out prompts (the same shape as data).")
+    every_steps: int = Field(10, ge=1, description="Evaluate after every this many training steps.")
+    max_samples: int = Field(256, ge=1, description="Prompts evaluated (the first ones of the data).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy (the default).")
+    top_p: float = Field(1.0, gt=0, le=1)
+    samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions per prompt (default one).")
 
 
 class TrainerConfig(_Model):
@@ -415,6 +483,7 @@ class TrainerConfig(_Model):
     export: ExportSettings = Field(default_factory=ExportSettings)
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     log_interval_steps: int = Field(1, ge=1)
+    evaluation: EvaluationSettings | None = Field(None, description="Held-out evaluation; None disables it.")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainerConfig:
@@ -476,13 +545,13 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 def cpu_standin(config: TrainerConfig) -> TrainerConfig:
-    """`config` with torch on CPU (gloo) and the transformers engine, placement unchanged: what a
-    local-exec GPU/NPU node of the test cluster runs (`ENV_TEST_CPU_STANDIN`; never the operator)."""
+    """`config` with torch on CPU (gloo) and the transformers engine, placement and dtype unchanged:
+    what a local-exec GPU/NPU node of the test cluster runs (`ENV_TEST_CPU_STANDIN`; never the operator)."""
     data = config.model_dump()
     data["distributed"].update(device="cpu", backend="gloo")
     data["rollout"]["kind"] = "transformers"
-    if data["model"]["dtype"] != "float32":
-        data["model"]["dtype"] = "float32"  # CPU kernels for bf16/fp16 are slow or missing
+    # The dtype stays the job's: torch has bf16 CPU kernels, and a stand-in that trained in fp32 would
+    # hide what bf16 does to a GPU run (rljob_trainer.precision).
     return TrainerConfig.model_validate(data)
 
 

@@ -12,6 +12,7 @@ from the seed passed in. Callers: `rljob_trainer.driver`, tests.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from rljob_trainer import config as config_mod
+
+log = logging.getLogger("rljob_trainer.data")
 
 
 @dataclass(frozen=True)
@@ -197,3 +200,46 @@ def next_prompts(
         out.extend(order[index : index + take])
         index += take
     return out, SamplerState(epoch, index)
+
+
+def drop_overlong_prompts(
+    examples: list[Example], prompt_tokens: list[int], *, max_prompt_tokens: int, source: str
+) -> tuple[list[Example], list[int]]:
+    """(the examples whose prompt fits `max_prompt_tokens`, the row indices of those that do not).
+
+    A prompt is never cut: cutting from the left drops the chat template's header and the question's
+    start, and the model trains on a prompt nobody wrote (verl's `filter_overlong_prompts` drops them
+    too). Raises naming the first row when no prompt fits.
+    """
+    dropped = [i for i, n in enumerate(prompt_tokens) if n > max_prompt_tokens]
+    if len(dropped) == len(examples):
+        first = dropped[0]
+        raise ValueError(
+            f"{source}: every prompt is longer than lengths.maxPromptTokens ({max_prompt_tokens}): row "
+            f"{first} has {prompt_tokens[first]} tokens; raise spec.lengths.maxPromptTokens"
+        )
+    skip = set(dropped)
+    return [e for i, e in enumerate(examples) if i not in skip], dropped
+
+
+def load_fitting_examples(
+    settings: config_mod.DataSettings, tokenizer: Any, *, max_prompt_tokens: int
+) -> tuple[list[Example], list[int]]:
+    """`load_examples`, without the prompts longer than `max_prompt_tokens` (`drop_overlong_prompts`):
+    (the examples kept, the row indices dropped; a warning names the first ones)."""
+    examples = load_examples(settings)
+    tokens = [len(encode_prompt(tokenizer, e.prompt, chat_template=settings.chat_template)) for e in examples]
+    source = settings.path or settings.hub_id or f"builtin:{settings.builtin}"
+    kept, dropped = drop_overlong_prompts(
+        examples, tokens, max_prompt_tokens=max_prompt_tokens, source=source
+    )
+    if dropped:
+        log.warning(
+            "%s: %d of %d prompts are longer than lengths.maxPromptTokens (%d) and are dropped (rows %s)",
+            source,
+            len(dropped),
+            len(examples),
+            max_prompt_tokens,
+            dropped[:10],
+        )
+    return kept, dropped

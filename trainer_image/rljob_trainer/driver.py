@@ -34,6 +34,8 @@ from rljob_trainer import (
     checkpoint,
     data,
     dp_balance,
+    dynamic_sampling,
+    evaluation,
     export,
     modeling,
     rewards,
@@ -41,6 +43,7 @@ from rljob_trainer import (
     telemetry,
     telemetry_sink,
     tracking,
+    train_metrics,
     trainer,
 )
 from rljob_trainer import config as config_mod
@@ -121,7 +124,11 @@ class GRPODriver:
         self.clock = clock
         self.wall_clock = wall_clock
         self.tokenizer = modeling.load_tokenizer(cfg.model)
-        self.examples = data.load_examples(cfg.data)
+        # Prompts over lengths.maxPromptTokens are dropped, never cut (metric data/dropped_prompts).
+        self.examples, dropped = data.load_fitting_examples(
+            cfg.data, self.tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
+        )
+        self.dropped_prompts = len(dropped)
         self.reward_fn = rewards.build_reward_fn(cfg.rewards)
         self.adv_fn = algos.get_adv_estimator(cfg.grpo.adv_estimator)
         self.spec = trainer.micro_batch_spec(cfg.batching)
@@ -152,6 +159,8 @@ class GRPODriver:
         self.weight_transfer: dict[str, weight_sync.WeightTransferChoice] = {}  # by engine name
         self._collective = self._transfer_choice(colocated=False).path == weight_sync.PATH_COLLECTIVE
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
+        self.skip_guard = train_metrics.SkipGuard(cfg.grpo.max_skipped_steps)
+        self.evaluator = evaluation.Evaluator.from_config(cfg, self.tokenizer) if cfg.evaluation else None
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -555,8 +564,18 @@ class GRPODriver:
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
-        ids = data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
-        return ids[-self.cfg.lengths.max_prompt_tokens :]
+        return data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
+
+    def _score(self, job: pipeline.GenJob) -> dynamic_sampling.ScoredBatch:
+        """One generation job's completions with their rewards (one entry per sample)."""
+        outs = [o for o in job.outputs if o is not None]
+        completions = [self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs]
+        example_ids = [job.prompt_indices[p] for p in job.group_ids]
+        exs = [self.examples[i] for i in example_ids]
+        totals, parts = self.reward_fn.score_batch(
+            [e.prompt for e in exs], completions, [e.answer for e in exs]
+        )
+        return dynamic_sampling.ScoredBatch(outs, example_ids, list(job.group_ids), totals, parts)
 
     @property
     def lookahead(self) -> int:
@@ -571,19 +590,26 @@ class GRPODriver:
         self.pipeline.fill()
         job = self.pipeline.wait_for_batch(step)
         self.pipeline.take_job(step)
-        outs = [o for o in job.outputs if o is not None]
         gen_s = (job.finished or self.clock()) - (job.started or t_start)
-        idx, sampler_next, group_ids = job.prompt_indices, job.sampler_after, job.group_ids
-
-        completions = [self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs]
-        exs = [self.examples[idx[p]] for p in group_ids]
-        totals, parts = self.reward_fn.score_batch(
-            [e.prompt for e in exs], completions, [e.answer for e in exs]
-        )
+        sampler_next = job.sampler_after
+        batch = self._score(job)
+        ds_metrics: dict[str, float] = {}
+        if g.dynamic_sampling.enabled:
+            extra_rounds = iter(range(1, g.dynamic_sampling.max_generation_rounds))
+            batch, ds_metrics = dynamic_sampling.fill_batch(
+                batch,
+                want_groups=g.prompts_per_step,
+                max_rounds=g.dynamic_sampling.max_generation_rounds,
+                generate=lambda: self._score(
+                    self.pipeline.extra_job(step, g.prompts_per_step, next(extra_rounds))
+                ),
+            )
+        outs, group_ids, totals, parts = batch.outputs, batch.group_ids, batch.totals, batch.parts
+        idx = [batch.example_ids[grp[0]] for grp in batch.groups()]  # the step's prompts, in order
         import torch
 
         adv = self.adv_fn(
-            torch.tensor(totals, dtype=torch.float32), torch.tensor(group_ids), norm_by_std=g.norm_adv_by_std
+            torch.tensor(totals, dtype=torch.float64), torch.tensor(group_ids), norm_by_std=g.norm_adv_by_std
         ).tolist()
         eos = self.tokenizer.eos_token_id
         samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
@@ -627,27 +653,15 @@ class GRPODriver:
             "step": step,
             "mean_reward": sum(totals) / len(totals),
             **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()},
-            "loss": sum(s["loss"] for s in stats),
-            "pg_loss": sum(s["pg_loss"] for s in stats),
-            "pg_loss_updates": [sum(u) for u in zip(*(s["pg_loss_updates"] for s in stats), strict=True)],
-            "kl": sum(s["kl"] for s in stats),
-            "clipfrac": sum(s["clipfrac_tokens"] for s in stats)
-            / max(sum(s["loss_tokens"] for s in stats), 1),
-            # mean |trainer - engine| log-prob over response tokens, before any update of the step
-            "rollout/logprob_diff": sum(s["logprob_diff_sum"] for s in stats)
-            / max(sum(s["logprob_diff_tokens"] for s in stats), 1),
+            **train_metrics.step_training_metrics(stats),
             "rollout/weights_version_min": min(versions),
             "rollout/staleness_max": max(staleness),
             "rollout/staleness_mean": sum(staleness) / len(staleness),
             "rollout/regenerated_stale": self.pipeline.regenerated,
-            "off_policy/is_weight_mean": sum(s["is_weight_sum"] for s in stats)
-            / max(sum(s["is_weight_tokens"] for s in stats), 1),
-            "off_policy/is_weight_max": max(s["is_weight_max"] for s in stats),
-            "off_policy/truncated_fraction": sum(s["is_truncated_tokens"] for s in stats)
-            / max(sum(s["is_weight_tokens"] for s in stats), 1),
+            **ds_metrics,
+            "data/dropped_prompts": self.dropped_prompts,
             "trainer_wait_s": self.pipeline.trainer_wait_s,
             "lookahead": self.lookahead,
-            "grad_norm": stats[0]["grad_norm"],
             "response_len_mean": sum(resp_lens) / len(resp_lens),
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
             "generation_s": gen_s,
@@ -657,7 +671,10 @@ class GRPODriver:
             "prompt_indices": idx,
             **balance_metrics,
         }
+        if self.evaluator is not None and self.evaluator.due(step):
+            metrics.update(self.evaluator.run(self, step))
         self._sync_point(metrics, gen_s, train_s)
+        self.skip_guard.record(step, metrics)  # raises after grpo.maxSkippedSteps in a row
         if cfg.checkpoint.dir and (step % cfg.checkpoint.interval_steps == 0 or step == g.max_steps):
             self._save()
             if cfg.export.every_checkpoint and not (cfg.export.final and step == g.max_steps):
@@ -689,6 +706,9 @@ class GRPODriver:
             released_rollout_pods=sorted(self._released_pods),
             lost_rollout_pods=sorted(self._lost_pods),
             staleness_max=metrics["rollout/staleness_max"],
+            eval_mean_reward=metrics.get("eval/mean_reward"),
+            dropped_prompts=self.dropped_prompts,
+            tracker_errors=self.tracker.errors,
         )
         self.pipeline.trainer_wait_s = 0.0
         self._lost_pods.clear()

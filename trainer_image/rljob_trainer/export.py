@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rljob_trainer import checkpoint, modeling
+from rljob_trainer import checkpoint, modeling, precision
 from rljob_trainer import config as config_mod
 
 log = logging.getLogger("rljob_trainer.export")
@@ -217,9 +217,12 @@ def export_from_rank(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    # The trainer's masters are fp32; an export holds the job's dtype, as the engines do.
+    dtype = precision.compute_dtype(cfg.model.dtype)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     merged = None
     if cfg.export.merge_lora and modeling.is_lora(model):
-        merged = dict(modeling.iter_engine_weights(model))
+        merged = dict(modeling.iter_engine_weights(model, dtype))
     if rank != 0:
         return None
     tokenizer = modeling.load_tokenizer(cfg.model)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from rljob_trainer import config as config_mod
+from rljob_trainer import precision
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -34,8 +35,6 @@ CHAR_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_char_tokenizer(charset: str) -> PreTrainedTokenizerFast:
@@ -115,7 +114,7 @@ def build_base_model(
     settings: config_mod.ModelSettings, *, init_seed: int, attn_implementation: str = "sdpa"
 ) -> PreTrainedModel:
     """The base causal LM (no adapters). Tiny models get deterministic random weights from `init_seed`."""
-    dtype = _DTYPES[settings.dtype]
+    dtype = precision.compute_dtype(settings.dtype)
     if settings.source == "tiny":
         hf = dict(settings.hf_config or {})
         model_type = hf.pop("model_type")
@@ -169,8 +168,18 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def iter_engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in the base model's naming, LoRA merged in, detached on CPU.
+def _to_cpu(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    full = _full_tensor(t).detach()
+    if dtype is not None and full.is_floating_point():
+        full = full.to(dtype)
+    return full.to("cpu").clone()
+
+
+def iter_engine_weights(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the base model's naming, LoRA merged in, detached on CPU, floating
+    tensors in `dtype` (the job's: the trainer's masters are fp32, engines and exports get the dtype).
 
     With LoRA, adapters are merged for the read and unmerged afterwards, so the trainer's weights
     are unchanged. Engines load these names with `load_state_dict` (CPU) or `load_weights` (vLLM).
@@ -182,9 +191,9 @@ def iter_engine_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
             for name, t in base.state_dict().items():
                 if "lora_" in name:
                     continue
-                yield name.replace(".base_layer.", "."), _full_tensor(t).detach().to("cpu").clone()
+                yield name.replace(".base_layer.", "."), _to_cpu(t, dtype)
         finally:
             model.unmerge_adapter()
     else:
         for name, t in model.state_dict().items():
-            yield name, _full_tensor(t).detach().to("cpu").clone()
+            yield name, _to_cpu(t, dtype)

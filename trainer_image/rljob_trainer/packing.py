@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from rljob_trainer import sampling
+
 
 @dataclass(frozen=True)
 class PackedBatch:
@@ -123,11 +125,13 @@ def unpack(values: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(flat, list(lengths), dim=0))
 
 
-def _next_token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    # logits [T, V] predict input_ids[1:]; log p = logit[target] − logsumexp(logits), in float32.
-    scaled = logits[:-1].float() / temperature
-    targets = input_ids[1:].unsqueeze(-1)
-    return scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+def _next_token_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, top_p: float, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # logits [T, V] predict input_ids[1:]: the sampler's processed log-probs (temperature, top-p), fp32.
+    return sampling.token_log_probs(
+        logits[:-1], input_ids[1:], temperature=temperature, top_p=top_p, with_entropy=with_entropy
+    )
 
 
 def packed_token_log_probs(
@@ -135,20 +139,38 @@ def packed_token_log_probs(
     packed: PackedBatch,
     *,
     temperature: float = 1.0,
+    top_p: float = 1.0,
     forward_side_keys: Sequence[str] = (),
 ) -> list[torch.Tensor]:
-    """Per-sample next-token log-probs from one packed forward.
+    """Per-sample next-token log-probs from one packed forward (`packed_log_probs_and_entropy`)."""
+    return packed_log_probs_and_entropy(
+        model, packed, temperature=temperature, top_p=top_p, forward_side_keys=forward_side_keys
+    )[0]
+
+
+def packed_log_probs_and_entropy(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    forward_side_keys: Sequence[str] = (),
+    with_entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-sample next-token log-probs from one packed forward, and optionally their entropies.
 
     Args:
         model: a causal LM returning `.logits` [1, T, V].
         packed: from `pack_sequences`.
-        temperature: logits are divided by it (match the rollout sampler).
+        temperature, top_p: the sampler's processing (`rljob_trainer.sampling`), so the log-probs are
+            those of the distribution the rollout engine sampled from.
         forward_side_keys: side arrays also passed to the model (e.g. "mm_token_type_ids").
+        with_entropy: also return the processed distribution's entropy per token (no grad).
 
     Returns:
         N tensors, sample i of shape [L_i − 1]: log p(x_t | x_<t) for t = 1..L_i−1 (float32, with grad
-        when grad is enabled). Logits at a sample's last token would predict the next sample's first
-        token and are dropped.
+        when grad is enabled), and the entropies in the same shapes (or None). Logits at a sample's
+        last token would predict the next sample's first token and are dropped.
     """
     extra = {key: packed.side[key] for key in forward_side_keys}
     # use_cache=False: otherwise transformers builds a DynamicCache and skips packed-sequence masking
@@ -156,11 +178,19 @@ def packed_token_log_probs(
     logits = model(
         input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **extra
     ).logits[0]
-    token_lp = _next_token_log_probs(logits, packed.input_ids[0], temperature)  # [T − 1]
+    token_lp, token_ent = _next_token_log_probs(
+        logits, packed.input_ids[0], temperature, top_p, with_entropy=with_entropy
+    )  # [T − 1]
+    return _split_samples(token_lp, packed.lengths), (
+        _split_samples(token_ent, packed.lengths) if token_ent is not None else None
+    )
+
+
+def _split_samples(per_token: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     start = 0
-    for length in packed.lengths:
-        out.append(token_lp[start : start + length - 1])
+    for length in lengths:
+        out.append(per_token[start : start + length - 1])
         start += length
     return out
 
@@ -172,38 +202,4 @@ def token_log_probs(
     ids = torch.as_tensor(sequence).flatten().long().unsqueeze(0)
     device = next(model.parameters()).device
     logits = model(input_ids=ids.to(device), use_cache=False).logits[0]
-    return _next_token_log_probs(logits, ids[0].to(device), temperature)
-
-
-def sequence_mean_policy_loss(
-    log_probs: Sequence[torch.Tensor],
-    advantages: torch.Tensor,
-    num_sequences_global: int,
-    *,
-    old_log_probs: Sequence[torch.Tensor] | None = None,
-    clip_eps: float = 0.2,
-) -> torch.Tensor:
-    """GRPO's clipped surrogate, averaged over each sequence's tokens, summed, divided by the global count.
-
-    Args:
-        log_probs: this rank's (micro-batch's) samples, each [L_i − 1], with grad.
-        advantages: [N_local], one per sample.
-        num_sequences_global: sequences in the whole mini-batch across all ranks; dividing by it (not
-            by the local count) makes the all-reduced SUM of gradients the global mean, independent of
-            which rank holds which sample — what DP balancing relies on.
-        old_log_probs: rollout-policy log-probs, same shapes; None means on-policy (ratio 1).
-        clip_eps: PPO clip range.
-
-    Returns:
-        scalar loss tensor (the caller calls `.backward()` / `.item()`).
-    """
-    if len(log_probs) != advantages.shape[0]:
-        raise ValueError(f"{len(log_probs)} log-prob sequences but {advantages.shape[0]} advantages")
-    total = advantages.new_zeros((), dtype=torch.float32)
-    for i, lp in enumerate(log_probs):
-        old = lp.detach() if old_log_probs is None else old_log_probs[i]
-        ratio = torch.exp(lp - old)
-        adv = advantages[i].float()
-        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-        total = total - surrogate.mean()
-    return total / num_sequences_global
+    return _next_token_log_probs(logits, ids[0].to(device), temperature, 1.0, with_entropy=False)[0]

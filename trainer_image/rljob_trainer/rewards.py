@@ -177,6 +177,14 @@ class WeightedReward:
     names: tuple[str, ...]
     weights: tuple[float, ...]
     fns: tuple[BatchRewardFn, ...]
+    # Metric keys of the parts (`reward/<key>`): the builtin's name, or `<module or file stem>:<fn>`,
+    # since trackers refuse a path as a metric name (a real MLflow server: "must not resolve to other
+    # names"). Default: the names.
+    keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            object.__setattr__(self, "keys", self.names)
 
     def score_batch(
         self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], **kwargs: Any
@@ -184,7 +192,7 @@ class WeightedReward:
         """(totals, {name: unweighted values}) for a batch; `RewardError` names a failing function."""
         n = len(completions)
         parts: dict[str, list[float]] = {}
-        for name, fn in zip(self.names, self.fns, strict=True):
+        for name, key, fn in zip(self.names, self.keys, self.fns, strict=True):
             try:
                 values = [float(v) for v in fn(list(prompts), list(completions), list(answers), **kwargs)]
             except Exception as e:
@@ -194,10 +202,9 @@ class WeightedReward:
                     f"reward {name} must return {n} finite floats (one per completion), got "
                     f"{len(values)}: {values[:4]}"
                 )
-            parts[name] = values
+            parts[key] = values
         totals = [
-            sum(w * parts[name][i] for name, w in zip(self.names, self.weights, strict=True))
-            for i in range(n)
+            sum(w * parts[key][i] for key, w in zip(self.keys, self.weights, strict=True)) for i in range(n)
         ]
         return totals, parts
 
@@ -210,6 +217,7 @@ class WeightedReward:
 def build_reward_fn(settings: Sequence[config_mod.RewardFunctionSettings]) -> WeightedReward:
     """The weighted reward the config asks for."""
     names: list[str] = []
+    keys: list[str] = []
     fns: list[BatchRewardFn] = []
     for s in settings:
         if s.name == "module":
@@ -217,7 +225,10 @@ def build_reward_fn(settings: Sequence[config_mod.RewardFunctionSettings]) -> We
                 raise ValueError("rewards[].function is required for name 'module'")
             fns.append(load_user_reward(function=s.function, import_path=s.import_path, path=s.path))
             names.append(f"{s.import_path or s.path}:{s.function}")
+            key = f"{Path(s.path).stem if s.path else s.import_path}:{s.function}"
+            keys.append(key if key not in keys else f"{key}#{len(keys)}")
         else:
             fns.append(batched(get_reward_fn(s.name)))
             names.append(s.name)
-    return WeightedReward(tuple(names), tuple(s.weight for s in settings), tuple(fns))
+            keys.append(s.name)
+    return WeightedReward(tuple(names), tuple(s.weight for s in settings), tuple(fns), tuple(keys))

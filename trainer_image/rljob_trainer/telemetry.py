@@ -9,9 +9,10 @@ The Kubernetes and Prometheus side effects live in `rljob_trainer.telemetry_sink
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 REPORTS_KEY = "reports.json"
 MAX_REPORTS = 32
@@ -48,8 +49,9 @@ class SyncReport(BaseModel):
     )
     shared_engines_awake: int = Field(..., alias="sharedEnginesAwake", ge=0)
     dedicated_engines: int = Field(..., alias="dedicatedEngines", ge=0)
-    mean_reward: float = Field(..., alias="meanReward")
-    loss: float = Field(...)
+    # JSON has no NaN: a reward or loss that is not finite (a skipped step) is reported as null.
+    mean_reward: float | None = Field(..., alias="meanReward", description="null when not finite.")
+    loss: float | None = Field(..., description="Mean over the step's updates; null when not finite.")
     tokens_per_s: float = Field(..., alias="tokensPerS", ge=0, description="Trained tokens per second.")
     response_len_mean: float = Field(..., alias="responseLenMean", ge=0, description="Tokens.")
     export_path: str | None = Field(
@@ -79,6 +81,30 @@ class SyncReport(BaseModel):
     staleness_max: int = Field(
         0, alias="stalenessMax", ge=0, description="Most weight updates a trained sample was behind."
     )
+
+    eval_mean_reward: float | None = Field(
+        None,
+        alias="evalMeanReward",
+        description="Mean reward of the held-out evaluation run after this step (spec.evaluation), if any.",
+    )
+    dropped_prompts: int = Field(
+        0,
+        alias="droppedPrompts",
+        ge=0,
+        description="Prompts of the data longer than lengths.maxPromptTokens, dropped at load (never cut).",
+    )
+    tracker_errors: list[str] = Field(
+        default_factory=list,
+        alias="trackerErrors",
+        description="Experiment trackers (W&B, MLflow) that could not start or failed, with the cause.",
+    )
+
+    @field_validator("mean_reward", "loss", "eval_mean_reward", mode="before")
+    @classmethod
+    def _finite_or_null(cls, value: object) -> object:
+        if isinstance(value, (int, float)) and not math.isfinite(float(value)):
+            return None
+        return value
 
     @property
     def mean_busy(self) -> float:

@@ -5,8 +5,11 @@ Role: the driver calls `Trackers.log_step(metrics, report)` once per step and `c
 norm, response lengths, tokens/s, the step time split, `dp_balance/*` and engines awake/total.
 TensorBoard event files go to `tracking.tensorboardDir` (default `<checkpoint.dir>/tensorboard`)
 through torch's `SummaryWriter`. W&B and MLflow come from the `tracking` extra; a tracker whose
-package is missing or whose backend fails is logged and skipped, so a tracker never stops a run.
-Callers: `rljob_trainer.driver`, tests.
+package is missing or whose backend fails is logged and skipped, so a tracker never stops a run; the
+cause is kept in `Trackers.errors`, which the driver reports in its SyncReport (`trackerErrors`) and the
+operator shows as the job's `Tracking` condition and a Warning Event. MLflow takes only `http(s)://`
+tracking URIs (a tracking server): the tracking extra installs `mlflow-skinny`, which has no SQL
+store, and MLflow 3.x refuses new `file:` stores. Callers: `rljob_trainer.driver`, tests.
 """
 
 from __future__ import annotations
@@ -32,15 +35,15 @@ _SKIP = frozenset({"step", "prompt_indices"})
 def step_scalars(
     metrics: Mapping[str, Any], report: telemetry.SyncReport | None, *, shared_engines_total: int
 ) -> dict[str, float]:
-    """The finite numeric metrics of one step (bools and lists dropped) plus, from the step's
-    SyncReport, `engines/shared_awake`, `engines/dedicated` and (when the driver did not set them)
+    """The numeric metrics of one step (bools and lists dropped; a value that is not finite is logged
+    as NaN, never dropped, so a diverging run shows in every tracker) plus, from the step's SyncReport,
+    `engines/shared_awake`, `engines/dedicated` and (when the driver did not set them)
     `engines_awake` = shared awake + dedicated and `engines_total` = shared + dedicated."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if key in _SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if math.isfinite(float(value)):
-            out[key] = float(value)
+        out[key] = float(value) if math.isfinite(float(value)) else math.nan
     if report is not None:
         out["engines/shared_awake"] = float(report.shared_engines_awake)
         out["engines/dedicated"] = float(report.dedicated_engines)
@@ -129,9 +132,12 @@ class MlflowTracker:
 class Trackers:
     """Every configured tracker behind one `log_step`; a failing tracker is dropped, never raised."""
 
-    def __init__(self, trackers: list[Tracker], *, shared_engines_total: int) -> None:
+    def __init__(
+        self, trackers: list[Tracker], *, shared_engines_total: int, errors: list[str] | None = None
+    ) -> None:
         self.trackers = trackers
         self.shared_engines_total = shared_engines_total
+        self.errors: list[str] = list(errors or [])  # "<tracker>: <cause>", for the job's status
 
     @classmethod
     def from_config(cls, cfg: config_mod.TrainerConfig, *, run_name: str | None) -> Trackers:
@@ -151,12 +157,14 @@ class Trackers:
         if t.mlflow is not None:
             m = t.mlflow
             attempts.append(("mlflow", lambda: MlflowTracker(m, run_name=run_name)))
+        errors: list[str] = []
         for name, make in attempts:
             try:
                 out.append(make())
             except Exception as exc:  # ImportError (extra not installed) or an unreachable backend
                 log.warning("tracking: %s disabled (%s: %s)", name, type(exc).__name__, exc)
-        return cls(out, shared_engines_total=cfg.rollout.shared_engines)
+                errors.append(_error(name, "could not start", exc))
+        return cls(out, shared_engines_total=cfg.rollout.shared_engines, errors=errors)
 
     @property
     def names(self) -> list[str]:
@@ -171,6 +179,7 @@ class Trackers:
             except Exception as exc:
                 log.warning("tracking: %s failed at step %s and is dropped (%s)", tracker.name, step, exc)
                 self.trackers.remove(tracker)
+                self.errors.append(_error(tracker.name, f"failed at step {step}", exc))
 
     def close(self) -> None:
         for tracker in self.trackers:
@@ -179,3 +188,8 @@ class Trackers:
             except Exception as exc:
                 log.warning("tracking: closing %s failed (%s)", tracker.name, exc)
         self.trackers = []
+
+
+def _error(name: str, what: str, exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return f"{name} {what}: {text[:300]}"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob_trainer import algos, export, microbatch, modeling, packing
+from rljob_trainer import algos, export, microbatch, modeling, packing, precision, sampling
 from rljob_trainer import config as config_mod
 
 
@@ -106,10 +106,17 @@ def resolve_device_and_backend(dist_cfg: config_mod.DistributedSettings) -> tupl
 
 
 def padded_token_log_probs(
-    model: torch.nn.Module, sequences: Sequence[Sequence[int]], *, pad_id: int, temperature: float
-) -> list[torch.Tensor]:
-    """Per-sample next-token log-probs [L_i − 1] from one right-padded [B, L_max] forward."""
-    device = next(model.parameters()).device
+    model: Any,
+    sequences: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    temperature: float,
+    top_p: float = 1.0,
+    with_entropy: bool = False,
+    device: torch.device | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-sample next-token log-probs [L_i − 1] from one right-padded [B, L_max] forward, with the
+    sampler's processing (`rljob_trainer.sampling`), and optionally the entropies."""
     lengths = [len(s) for s in sequences]
     width = max(lengths)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -118,21 +125,72 @@ def padded_token_log_probs(
         ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
         attn[i, : len(s)] = 1
     ids, attn = ids.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float() / temperature
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return [lp[i, : n - 1] for i, n in enumerate(lengths)]
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    flat_lp, flat_ent = sampling.token_log_probs(
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
+        ids[:, 1:].reshape(-1),
+        temperature=temperature,
+        top_p=top_p,
+        with_entropy=with_entropy,
+    )
+    lp = flat_lp.view(len(sequences), width - 1)
+    ent = flat_ent.view(len(sequences), width - 1) if flat_ent is not None else None
+    lps = [lp[i, : n - 1] for i, n in enumerate(lengths)]
+    return lps, ([ent[i, : n - 1] for i, n in enumerate(lengths)] if ent is not None else None)
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`module` in eval mode (no dropout) for the block, then back to the mode it had."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
+
+
+# The per-rank sums `TrainingRank.train_step` returns (the driver adds them up over ranks).
+STAT_SUMS: tuple[str, ...] = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clipfrac_tokens",
+    "clipfrac_low_tokens",
+    "clipfrac_high_tokens",
+    "ppo_kl_sum",
+    "entropy_sum",
+    "loss_tokens",
+    "tokens",
+    "logprob_diff_sum",
+    "logprob_diff_tokens",
+    # π_old / π_rollout over response tokens with engine log-probs (untruncated), before any update
+    "is_weight_sum",
+    "is_weight_tokens",
+    "is_weight_max",
+    "is_truncated_tokens",
+    "skipped_updates",
+)
 
 
 class TrainingRank:
-    """One data-parallel rank. Construct, then `setup(master_addr, master_port)` on every rank."""
+    """One data-parallel rank. Construct, then `setup(master_addr, master_port)` on every rank.
+
+    `model` is the policy the optimizer, checkpoints and weight syncs see: its trainable parameters
+    are fp32 masters (`rljob_trainer.precision`). Forward and backward run on `_compute`: the FSDP2
+    module itself on accelerators (its policy computes in the job's dtype), or on CPU the compute copy
+    of `precision.CpuMixedPrecision`.
+    """
 
     def __init__(self, cfg: config_mod.TrainerConfig, rank: int, world_size: int) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.device_kind, self.backend = resolve_device_and_backend(cfg.distributed)
+        self.dtype = precision.compute_dtype(cfg.model.dtype)
         self.model: torch.nn.Module | None = None
-        self._wrapped: torch.nn.Module | None = None
+        self._compute: torch.nn.Module | None = None
+        self._mp: precision.CpuMixedPrecision | None = None
         self._ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._spec = micro_batch_spec(cfg.batching)
@@ -181,15 +239,24 @@ class TrainingRank:
         torch.manual_seed(self.cfg.grpo.seed)
         tok = modeling.load_tokenizer(self.cfg.model)
         self._pad_id = int(tok.pad_token_id)
+        # Built in the job's dtype, as the engines build it, so the compute weights equal theirs.
         base = modeling.build_base_model(self.cfg.model, init_seed=self.cfg.grpo.seed)
         if self.cfg.grpo.kl_coef > 0 and self.cfg.model.finetune == "full":
-            self._ref_model = copy.deepcopy(base).to(self.device).eval().requires_grad_(False)
+            self._ref_model = copy.deepcopy(base).eval().requires_grad_(False)
         if self.cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable()
-        model = modeling.apply_finetune_mode(base, self.cfg.model).to(self.device)
+        model = modeling.apply_finetune_mode(base, self.cfg.model)
+        precision.upcast_trainable_(model)  # fp32 masters; the LoRA base stays in the job's dtype
         model.train()
+        if self.device_kind == "cpu":
+            self._mp = precision.CpuMixedPrecision(model, self.dtype, world_size=self.world_size)
+            self._compute = self._mp.compute
+        else:
+            self._shard(model, policy=precision.fsdp_policy(self.dtype))
+            self._compute = model
+            if self._ref_model is not None:
+                self._shard(self._ref_model, policy=None)
         self.model = model
-        self._wrapped = self._wrap(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.cfg.grpo.learning_rate, weight_decay=self.cfg.grpo.weight_decay
@@ -201,66 +268,97 @@ class TrainingRank:
             "device": str(self.device),
             "backend": self.backend,
             "trainable_params": sum(p.numel() for p in params),
+            "master_dtype": str(params[0].dtype) if params else None,
+            "compute_dtype": str(self.dtype),
         }
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.device_kind == "cpu":
-            if self.world_size == 1:
-                return model
-            from torch.nn.parallel import DistributedDataParallel
-
-            return DistributedDataParallel(model)
-        # FSDP2 on accelerators: shard each decoder layer, then the root.
+    @staticmethod
+    def _shard(model: torch.nn.Module, *, policy: Any) -> None:
+        """FSDP2 on accelerators: each decoder layer, then the root. `fully_shard` moves each module's
+        parameters to the mesh's device as it shards them, so the full model never sits on one device."""
         from torch.distributed.fsdp import fully_shard
 
+        kwargs = {"mp_policy": policy} if policy is not None else {}
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module)
-        fully_shard(model)
-        return model
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
 
     # ---- log-probs -------------------------------------------------------------------------------
     def _response_log_probs(
-        self, model: torch.nn.Module, samples: Sequence[TrainSample]
-    ) -> list[torch.Tensor]:
-        """Per-sample log-probs of the response tokens [R_i] (grad follows torch.is_grad_enabled())."""
-        temperature = self.cfg.grpo.temperature
+        self, model: torch.nn.Module, samples: Sequence[TrainSample], *, with_entropy: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sample log-probs of the response tokens [R_i] under the sampler's processing (grad follows
+        torch.is_grad_enabled()), and with `with_entropy` the entropies [R_i] (no grad)."""
+        g = self.cfg.grpo
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
         if self.cfg.batching.packed:
             side_keys = sorted(samples[0].side) if samples else []
             side = {k: [s.side[k] for s in samples] for k in side_keys}
             packed = packing.pack_sequences(seqs, side or None, device=self.device)
-            per_seq = packing.packed_token_log_probs(
-                model, packed, temperature=temperature, forward_side_keys=side_keys
+            per_seq, ents = packing.packed_log_probs_and_entropy(
+                model,
+                packed,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                forward_side_keys=side_keys,
+                with_entropy=with_entropy,
             )
         else:
-            per_seq = padded_token_log_probs(model, seqs, pad_id=self._pad_id, temperature=temperature)
+            per_seq, ents = padded_token_log_probs(
+                model,
+                seqs,
+                pad_id=self._pad_id,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                with_entropy=with_entropy,
+                device=self.device,
+            )
         # Log-prob of token t sits at index t-1: the response starts at index len(prompt) - 1.
-        return [lp[len(s.prompt_ids) - 1 :] for lp, s in zip(per_seq, samples, strict=True)]
+        cut = [len(s.prompt_ids) - 1 for s in samples]
+        lps = [lp[c:] for lp, c in zip(per_seq, cut, strict=True)]
+        return lps, ([e[c:] for e, c in zip(ents, cut, strict=True)] if ents is not None else None)
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
         if self._ref_model is not None:
             yield self._ref_model
             return
-        model = self._parts()[0]
+        model = self._parts()[1]
         if not modeling.is_lora(model):
             raise RuntimeError("a KL reference needs LoRA (adapters off) or a frozen copy (full FT)")
         with model.disable_adapter():
             yield model
 
+    def _planned(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        """This rank's micro-batches of `samples`, padded with empty ones to the count every rank
+        agreed on (FSDP2's forward and backward are collectives: every rank runs the same number)."""
+        lengths = [s.length for s in samples]
+        k = self._agreed_micro_batch_count(lengths)
+        plan: list[list[int]] = (
+            microbatch.plan_micro_batches(lengths, self._spec, num_micro_batches=min(k, len(samples)))
+            if samples
+            else []
+        )
+        return plan + [[] for _ in range(k - len(plan))]
+
+    def _dummy(self) -> list[TrainSample]:
+        return [TrainSample((self._pad_id,), (self._pad_id,), 0.0)]
+
     def _forward_only(self, samples: Sequence[TrainSample], *, reference: bool) -> list[torch.Tensor]:
+        """Old or reference log-probs, in eval mode: a forward-only pass has no dropout (with LoRA
+        dropout > 0 a train-mode pass would make the ratio differ from 1 at unchanged weights)."""
         out: dict[int, torch.Tensor] = {}
-        plan = microbatch.plan_micro_batches([s.length for s in samples], self._spec) if samples else []
         with torch.no_grad():
-            for group in plan:
-                mb = [samples[i] for i in group]
+            for group in self._planned(samples):
+                mb = [samples[i] for i in group] or self._dummy()
                 if reference:
-                    with self._reference() as ref:
-                        lps = self._response_log_probs(ref, mb)
+                    with self._reference() as ref, eval_mode(ref):
+                        lps, _ = self._response_log_probs(ref, mb)
                 else:
-                    lps = self._response_log_probs(self._parts()[0], mb)
-                for i, lp in zip(group, lps, strict=True):
+                    with eval_mode(self._parts()[1]) as model:
+                        lps, _ = self._response_log_probs(model, mb)
+                for i, lp in zip(group, lps, strict=False):
                     out[i] = lp.detach()
         return [out[i] for i in range(len(samples))]
 
@@ -269,10 +367,11 @@ class TrainingRank:
         return [lp.tolist() for lp in self._forward_only(samples, reference=False)]
 
     def _parts(self) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
-        """(model, wrapped model, optimizer); raises before setup()."""
-        if self.model is None or self._wrapped is None or self.optimizer is None:
+        """(policy with fp32 masters, the module forward/backward run on, optimizer); raises before
+        setup()."""
+        if self.model is None or self._compute is None or self.optimizer is None:
             raise RuntimeError("setup() has not been called")
-        return self.model, self._wrapped, self.optimizer
+        return self.model, self._compute, self.optimizer
 
     # ---- training --------------------------------------------------------------------------------
     def _agreed_micro_batch_count(self, lengths: Sequence[int]) -> int:
@@ -283,122 +382,143 @@ class TrainingRank:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def _grad_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        wrapped = self._wrapped
-        if self.world_size == 1 or wrapped is None:
-            return contextlib.nullcontext()
-        if hasattr(wrapped, "no_sync"):  # DDP
-            return contextlib.nullcontext() if enabled else wrapped.no_sync()
-        wrapped.set_requires_gradient_sync(enabled)  # FSDP2
-        return contextlib.nullcontext()
+    def _grad_sync(self, enabled: bool) -> None:
+        """FSDP2 reduce-scatters only after a mini-batch's last micro-batch; until then it accumulates
+        the unsharded gradients in its reduce dtype (fp32). The CPU path all-reduces once, by hand."""
+        if self._mp is None and self.world_size > 1:
+            self._parts()[1].set_requires_gradient_sync(enabled)  # type: ignore[operator]
+
+    def _uses_tis(self) -> bool:
+        return algos.uses_rollout_logprobs(self.cfg.grpo.policy_loss)
+
+    def _fused_old_log_probs(self, mini_batches: Sequence[RankMiniBatch]) -> bool:
+        """One update per step on fresh rollouts: the old log-probs are the training forward's, detached
+        (the same weights, the same tokens), so the separate forward-only pass is skipped."""
+        g = self.cfg.grpo
+        return len(mini_batches) * g.ppo_epochs == 1 and g.max_staleness == 0
 
     def train_step(self, mini_batches: Sequence[RankMiniBatch]) -> dict[str, Any]:
         """One GRPO step: old (and reference) log-probs of every mini-batch first, from the weights
         the step starts with, then `ppoEpochs` passes of one optimizer update per mini-batch. So from
-        the second update on the ratio differs from 1 and the clip acts.
+        the second update on the ratio differs from 1 and the clip acts. With a single update the old
+        log-probs are the training forward's own, detached (`_fused_old_log_probs`).
 
-        Returns this rank's sums (`loss`, `pg_loss`, `kl`, `clipfrac_tokens`, `loss_tokens`, `tokens`,
-        `logprob_diff_sum` / `logprob_diff_tokens`: |old − engine| over response tokens), the
-        per-update `pg_loss_updates` list and the replicated `grad_norm` (mean over updates); the
-        driver sums over ranks.
+        An update whose gradient norm is not finite is skipped (no optimizer step; its gradient is
+        dropped) and counted in `skipped_updates`; every rank sees the same reduced norm, so all agree.
+
+        Returns this rank's shares, which the driver sums over ranks: `loss`, `pg_loss`, `kl` (means
+        over the step's updates), token sums (`clipfrac_tokens`, `clipfrac_low_tokens`,
+        `clipfrac_high_tokens`, `ppo_kl_sum`, `entropy_sum` over `loss_tokens`; `tokens`),
+        `logprob_diff_sum` / `logprob_diff_tokens` (|old − engine| over response tokens), the
+        per-update `pg_loss_updates` list, the replicated `grad_norm` (mean over updates),
+        `skipped_updates` and `updates`.
         """
-        model, wrapped, optimizer = self._parts()
+        model, compute, optimizer = self._parts()
         g = self.cfg.grpo
         policy_loss = algos.get_policy_loss(g.policy_loss)
-        stats: dict[str, Any] = {
-            "loss": 0.0,
-            "pg_loss": 0.0,
-            "kl": 0.0,
-            "clipfrac_tokens": 0.0,
-            "loss_tokens": 0.0,
-            "tokens": 0.0,
-            "logprob_diff_sum": 0.0,
-            "logprob_diff_tokens": 0.0,
-            # π_old / π_rollout over response tokens with engine log-probs (untruncated), first pass
-            "is_weight_sum": 0.0,
-            "is_weight_tokens": 0.0,
-            "is_weight_max": 0.0,
-            "is_truncated_tokens": 0.0,
-        }
+        stats: dict[str, Any] = dict.fromkeys(STAT_SUMS, 0.0)
         pg_updates: list[float] = []
         grad_norms: list[float] = []
-        # DDP/FSDP average gradients over ranks; our loss is already a share of the global sum.
-        scale = float(self.world_size)
+        # FSDP2 averages gradients over ranks; our loss is already a share of the global sum.
+        scale = float(self.world_size) if self._mp is None else 1.0
+        fused = self._fused_old_log_probs(mini_batches)
         # Old log-probs once per step, before any update (recomputing them per mini-batch would make
         # every ratio 1 and the clip a no-op).
-        olds = [self._forward_only(mb.samples, reference=False) for mb in mini_batches]
+        olds: list[list[torch.Tensor] | None] = (
+            [None] * len(mini_batches)
+            if fused
+            else [self._forward_only(mb.samples, reference=False) for mb in mini_batches]
+        )
         refs = (
             [self._forward_only(mb.samples, reference=True) for mb in mini_batches]
             if g.kl_coef > 0
             else [None] * len(mini_batches)
         )
         for mb, old in zip(mini_batches, olds, strict=True):
-            for s, lp in zip(mb.samples, old, strict=True):
-                if s.rollout_logprobs:
-                    engine = torch.tensor(s.rollout_logprobs, dtype=lp.dtype)
-                    stats["logprob_diff_sum"] += float((lp.cpu() - engine).abs().sum())
-                    stats["logprob_diff_tokens"] += float(len(engine))
-                    w = torch.exp(lp.cpu().double() - engine.double())
-                    stats["is_weight_sum"] += float(w.sum())
-                    stats["is_weight_tokens"] += float(w.numel())
-                    stats["is_weight_max"] = max(stats["is_weight_max"], float(w.max()))
-                    if g.tis_cap is not None:
-                        stats["is_truncated_tokens"] += float((w > g.tis_cap).sum())
+            if old is not None:
+                self._rollout_stats(stats, mb.samples, old)
+        params = [p for p in model.parameters() if p.requires_grad]
         updates = [(i, mb) for _ in range(g.ppo_epochs) for i, mb in enumerate(mini_batches)]
         for i, mb_batch in updates:
-            samples = mb_batch.samples
-            old, ref = olds[i], refs[i]
             before = stats["pg_loss"]
-            lengths = [s.length for s in samples]
-            k = self._agreed_micro_batch_count(lengths)
-            plan: list[list[int]] = (
-                microbatch.plan_micro_batches(lengths, self._spec, num_micro_batches=min(k, len(samples)))
-                if samples
-                else []
-            )
-            plan += [[] for _ in range(k - len(plan))]  # zero-weight micro-batches keep collectives paired
+            plan = self._planned(mb_batch.samples)
             optimizer.zero_grad(set_to_none=True)
+            if self._mp is not None:
+                self._mp.zero_grad()
             for j, group in enumerate(plan):
-                with self._grad_sync(j == len(plan) - 1):
-                    loss = self._micro_batch_loss(
-                        wrapped, samples, group, old, ref, mb_batch, policy_loss, stats
-                    )
-                    (loss * scale).backward()
-            params = [p for p in model.parameters() if p.requires_grad]
+                self._grad_sync(j == len(plan) - 1)
+                loss = self._micro_batch_loss(compute, group, olds[i], refs[i], mb_batch, policy_loss, stats)
+                (loss * scale).backward()
+                if self._mp is not None:
+                    self._mp.accumulate_grads()
+            if self._mp is not None:
+                self._mp.all_reduce_grads()
             norm = torch.nn.utils.clip_grad_norm_(params, g.grad_clip)
-            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            optimizer.step()
+            norm_f = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            grad_norms.append(norm_f)
+            if math.isfinite(norm_f):
+                optimizer.step()
+                if self._mp is not None:
+                    self._mp.publish()
+            else:
+                stats["skipped_updates"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            if self._mp is not None:
+                self._mp.zero_grad()
             pg_updates.append(stats["pg_loss"] - before)
+        n = max(len(updates), 1)
+        for key in ("loss", "pg_loss", "kl"):
+            stats[key] /= n
+        stats["updates"] = len(updates)
         stats["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         stats["pg_loss_updates"] = pg_updates
         return stats
 
+    def _rollout_stats(
+        self, stats: dict[str, Any], samples: Sequence[TrainSample], old: Sequence[torch.Tensor]
+    ) -> None:
+        """|old − engine| log-probs and the untruncated IS weights π_old / π_rollout, before any update."""
+        cap = self.cfg.grpo.tis_cap if self._uses_tis() else None
+        for s, lp in zip(samples, old, strict=True):
+            if not s.rollout_logprobs:
+                continue
+            engine = torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+            lp64 = lp.detach().cpu().double()
+            stats["logprob_diff_sum"] += float((lp64 - engine).abs().sum())
+            stats["logprob_diff_tokens"] += float(len(engine))
+            w = torch.exp(lp64 - engine)
+            stats["is_weight_sum"] += float(w.sum())
+            stats["is_weight_tokens"] += float(w.numel())
+            stats["is_weight_max"] = max(stats["is_weight_max"], float(w.max()))
+            if cap is not None:
+                stats["is_truncated_tokens"] += float((w > cap).sum())
+
     def _micro_batch_loss(
         self,
-        wrapped: torch.nn.Module,
-        samples: Sequence[TrainSample],
+        compute: torch.nn.Module,
         group: Sequence[int],
-        old: Sequence[torch.Tensor],
+        old: Sequence[torch.Tensor] | None,
         ref: Sequence[torch.Tensor] | None,
         mb_batch: RankMiniBatch,
         policy_loss: algos.PolicyLoss,
-        stats: dict[str, float],
+        stats: dict[str, Any],
     ) -> torch.Tensor:
         g = self.cfg.grpo
+        samples = mb_batch.samples
         if not group:
             # A dummy forward so every rank runs the same collectives; contributes zero gradient.
-            dummy = TrainSample((self._pad_id,), (self._pad_id,), 0.0)
-            lps = self._response_log_probs(wrapped, [dummy])
+            lps, _ = self._response_log_probs(compute, self._dummy())
             return lps[0].sum() * 0.0
         mb = [samples[i] for i in group]
-        lps = self._response_log_probs(wrapped, mb)
+        lps, ents = self._response_log_probs(compute, mb, with_entropy=True)
         logp = torch.cat(lps)
-        old_lp = torch.cat([old[i] for i in group]).to(logp.device)
+        if old is None:  # fused: the old policy is this very forward
+            self._rollout_stats(stats, mb, lps)
+            old_lp = logp.detach()
+        else:
+            old_lp = torch.cat([old[i] for i in group]).to(logp.device)
         adv = torch.cat(
-            [
-                torch.full((len(lp),), samples[i].advantage, device=logp.device)
-                for i, lp in zip(group, lps, strict=True)
-            ]
+            [torch.full((len(lp),), s.advantage, device=logp.device) for s, lp in zip(mb, lps, strict=True)]
         )
         seq_ids = torch.cat(
             [torch.full((len(lp),), n, dtype=torch.long, device=logp.device) for n, lp in enumerate(lps)]
@@ -410,19 +530,21 @@ class TrainingRank:
             "global_num_tokens": mb_batch.global_num_response_tokens,
             "token_sum_norm": self.cfg.lengths.max_response_tokens,
         }
-        tis: dict[str, Any] = {}
-        if g.policy_loss == "clipped-tis":
+        extra: dict[str, Any] = {"clip_ratio_c": g.clip_ratio_c}
+        if self._uses_tis():
             # The engine's log-probs (the behaviour policy); a sample without them weighs 1.
-            tis["rollout_logp"] = torch.cat(
+            extra["rollout_logp"] = torch.cat(
                 [
-                    torch.tensor(samples[i].rollout_logprobs, dtype=logp.dtype, device=logp.device)
-                    if samples[i].rollout_logprobs
-                    else old[i].to(logp.device)
-                    for i in group
+                    torch.tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
+                    if s.rollout_logprobs
+                    else old_lp[seq_ids == n]
+                    for n, s in enumerate(mb)
                 ]
             )
-            tis["tis_cap"] = g.tis_cap if g.tis_cap is not None else 2.0
-        per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high, **tis)
+            extra["tis_cap"] = g.tis_cap
+        if algos.needs_seq_ids(g.policy_loss):
+            extra["seq_ids"] = seq_ids
+        per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high, **extra)
         pg = algos.aggregate_loss(per_tok, mask, seq_ids, **agg)
         loss = pg
         if ref is not None:
@@ -431,9 +553,21 @@ class TrainingRank:
             kl = algos.aggregate_loss(kl_tok, mask, seq_ids, **agg)
             loss = loss + g.kl_coef * kl
             stats["kl"] += float(kl.detach())
+        clip = algos.ppo_clip_metrics(
+            logp.detach(),
+            old_lp,
+            adv,
+            clip_low=g.clip_low,
+            clip_high=g.clip_high,
+            clip_ratio_c=g.clip_ratio_c,
+        )
         stats["loss"] += float(loss.detach())
         stats["pg_loss"] += float(pg.detach())
         stats["clipfrac_tokens"] += float(clipped.sum())
+        stats["clipfrac_low_tokens"] += float(clip["clipped_low"].sum())
+        stats["clipfrac_high_tokens"] += float(clip["clipped_high"].sum())
+        stats["ppo_kl_sum"] += float(clip["ppo_kl"].sum())
+        stats["entropy_sum"] += float(torch.cat(ents).sum()) if ents is not None else 0.0
         stats["loss_tokens"] += float(clipped.numel())
         stats["tokens"] += float(sum(s.length for s in mb))
         return loss
@@ -443,12 +577,12 @@ class TrainingRank:
         """The engines' weights on rank 0 (every rank must call: FSDP2 gathers): the full merged model,
         or for engines serving LoRA only the adapter, or base and adapter (`weight_sync.SEND_*`)."""
         if what == "merged":
-            weights = dict(modeling.iter_engine_weights(self._parts()[0]))
+            weights = dict(modeling.iter_engine_weights(self._parts()[0], self.dtype))
         else:
             from rljob_trainer.rollout import weight_sync
 
             with weight_sync.engine_tensors(self._parts()[0], what) as tensors:
-                weights = {n: modeling._full_tensor(t).detach().to("cpu").clone() for n, t in tensors}
+                weights = {n: modeling._to_cpu(t, self.dtype) for n, t in tensors}
         return weights if self.rank == 0 else None
 
     def export_hf(self, out_dir: str, step: int) -> dict[str, Any] | None:
@@ -495,6 +629,8 @@ class TrainingRank:
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, state["model"], options=opts)
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
+        if self._mp is not None:
+            self._mp.publish()  # the loaded masters into the compute copy
         torch.random.set_rng_state(state["rng"][self.rank])
 
     def shutdown(self) -> None:

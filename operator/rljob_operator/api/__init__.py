@@ -74,11 +74,13 @@ from rljob_operator.api.data import (
     RewardModuleSpec,
     RewardSpec,
 )
-from rljob_operator.api.grpo import BatchingSpec, GRPOSpec, LengthsSpec
+from rljob_operator.api.grpo import BatchingSpec, DynamicSamplingSpec, GRPOSpec, LengthsSpec
 from rljob_operator.api.job import (
     CheckpointSpec,
     CheckpointVolume,
     EmptyDirVolume,
+    EvaluationSamplingSpec,
+    EvaluationSpec,
     ExportSpec,
     ImageSpec,
     MlflowTrackingSpec,
@@ -167,7 +169,10 @@ __all__ = [
     "DataSpec",
     "DrainingPod",
     "Dtype",
+    "DynamicSamplingSpec",
     "EmptyDirVolume",
+    "EvaluationSamplingSpec",
+    "EvaluationSpec",
     "ExportSpec",
     "FinetuneMode",
     "FinetuneSpec",

@@ -101,6 +101,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {
+        "name": "Eval",
+        "type": "number",
+        "jsonPath": ".status.progress.evalReward",
+        "description": "Mean reward of the latest held-out evaluation (spec.evaluation).",
+        "priority": 1,
+    },
+    {
         "name": "Tokens/s",
         "type": "number",
         "jsonPath": ".status.progress.tokensPerSecond",

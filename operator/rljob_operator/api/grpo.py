@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -12,6 +12,23 @@ from rljob_operator.api.base import CelRule, LossNormalization, MicroBatching, P
 # --------------------------------------------------------------------------------------------
 # spec.grpo, spec.lengths
 # --------------------------------------------------------------------------------------------
+class DynamicSamplingSpec(_Spec):
+    """DAPO's dynamic sampling (verl's filter_groups)."""
+
+    enabled: bool = Field(
+        False,
+        description="Drop the groups whose completions all got the same reward (zero advantage: no "
+        "gradient) and refill the batch with more prompts (metric rollout/filtered_groups).",
+    )
+    max_generation_rounds: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="Generation rounds per step, the step's own included (the cap on extra generation); "
+        "when it is reached, dropped groups fill the rest of the batch.",
+    )
+
+
 class GRPOSpec(_Spec):
     """Group Relative Policy Optimization settings."""
 
@@ -22,6 +39,13 @@ class GRPOSpec(_Spec):
             "a step); change miniBatchesPerStep or promptsPerStep",
             field_path=".miniBatchesPerStep",
             check=lambda s: (s.prompts_per_step * s.group_size) % s.mini_batches_per_step == 0,
+        ),
+        CelRule(
+            rule="self.policyLoss != 'gspo' || self.lossNormalization == 'sequenceMean'",
+            message="spec.grpo.policyLoss gspo optimises a mean over sequences: set "
+            "spec.grpo.lossNormalization to sequenceMean",
+            field_path=".lossNormalization",
+            check=lambda s: s.policy_loss != "gspo" or s.loss_normalization == "sequenceMean",
         ),
     )
 
@@ -100,6 +124,31 @@ class GRPOSpec(_Spec):
         "token's loss weighted by min(pi_trainer / pi_rollout, tisCap) with the engine's log-probs "
         "(verl's TIS); 0 disables it.",
     )
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        "ppo",
+        description="ppo: the token-level PPO clip (with clipRatioLow/High and the dual-clip clipRatioC); "
+        "gspo: one importance ratio per sequence, the geometric mean of its token ratios, clipped per "
+        "sequence (GSPO, Zheng et al. 2025; the paper clips at about 3e-4/4e-4).",
+    )
+    clip_ratio_c: float = Field(
+        3.0,
+        gt=1.0,
+        le=100.0,
+        description="Dual-clip (verl's clip_ratio_c): for a negative advantage a token's loss is at most "
+        "-advantage x clipRatioC, so one huge ratio cannot dominate the batch.",
+    )
+    max_skipped_steps: int = Field(
+        5,
+        ge=1,
+        le=10_000,
+        description="An optimizer step whose gradient norm is not finite (NaN or inf) is skipped and counted "
+        "(metric train/skipped_steps); this many in a row fail the job with a message naming the step and "
+        "the metric.",
+    )
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default_factory=lambda: DynamicSamplingSpec(),
+        description="DAPO's dynamic sampling: drop groups whose rewards are all equal and refill the batch.",
+    )
 
 
 class LengthsSpec(_Spec):
@@ -119,7 +168,11 @@ class LengthsSpec(_Spec):
     )
 
     max_prompt_tokens: int = Field(
-        1024, ge=1, le=4_194_304, description="Longest prompt in tokens; longer prompts are dropped."
+        1024,
+        ge=1,
+        le=4_194_304,
+        description="Longest prompt in tokens: longer prompts are dropped when the data loads (never cut), "
+        "counted in the metric data/dropped_prompts and the condition DataFiltered.",
     )
     max_completion_tokens: int = Field(
         1024, ge=1, le=4_194_304, description="Most tokens generated per completion (the rollout cap)."

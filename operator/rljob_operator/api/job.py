@@ -214,7 +214,11 @@ class MlflowTrackingSpec(_Spec):
     """MLflow run settings."""
 
     tracking_uri: str = Field(
-        min_length=1, max_length=2048, description="Tracking server (http(s)://...) or a file: store."
+        min_length=1,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="MLflow tracking server: http://... or https://... (an `mlflow server`). The trainer "
+        "image's MLflow (mlflow-skinny 3.x) has no SQL store, and MLflow 3 refuses new file: stores.",
     )
     experiment: str = Field("rljob", min_length=1, max_length=256, description="Experiment name.")
     run_name: str | None = Field(
@@ -222,6 +226,30 @@ class MlflowTrackingSpec(_Spec):
     )
     token_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding a tracking token (becomes MLFLOW_TRACKING_TOKEN)."
+    )
+
+
+class EvaluationSamplingSpec(_Spec):
+    """How held-out prompts are sampled: greedy, one completion per prompt, by default."""
+
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 is greedy decoding (the default).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions per held-out prompt.")
+
+
+class EvaluationSpec(_Spec):
+    """Held-out evaluation on the rollout engines between training steps (verl's test_freq)."""
+
+    data: DataSpec = Field(
+        description="Held-out prompts and answers, the same shape as spec.data. A pvc or configMapRef source "
+        "must be spec.data's own claim or ConfigMap (the one the trainer pods mount)."
+    )
+    every_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate after every this many steps.")
+    max_samples: int = Field(
+        256, ge=1, le=1_000_000, description="Held-out prompts evaluated (the first ones of the data)."
+    )
+    sampling: EvaluationSamplingSpec = Field(
+        default_factory=lambda: EvaluationSamplingSpec(), description="Sampling of the held-out prompts."
     )
 
 
@@ -310,6 +338,11 @@ class RLJobSpec(_Spec):
         "whose acceleratorKinds include resources.accelerator.kind, else the chart's defaultPool.",
     )
     export: ExportSpec = Field(default_factory=ExportSpec, description="Hugging Face / PEFT exports.")
+    evaluation: EvaluationSpec | None = Field(
+        None,
+        description="Held-out evaluation: metrics eval/mean_reward and eval/reward/<name>, "
+        "status.progress.evalReward. Off when unset.",
+    )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Experiment trackers (TensorBoard always; W&B, MLflow)."
     )

@@ -169,6 +169,16 @@ class FinetuneSpec(_Spec):
 class ModelSpec(_Spec):
     """The policy model: its weights, its architecture config, precision and what trains."""
 
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.dtype != 'float16'",
+            message="spec.model.dtype float16 is not supported for training: fp16 gradients underflow "
+            "without loss scaling, which rljob does not do; use bfloat16 (or float32)",
+            field_path=".dtype",
+            check=lambda s: s.dtype != "float16",
+        ),
+    )
+
     name: str = Field(
         min_length=1,
         max_length=256,
@@ -178,7 +188,11 @@ class ModelSpec(_Spec):
     config: ModelConfigSource = Field(
         description="Where the operator reads config.json to plan memory: preset, inline or configMapRef."
     )
-    dtype: Dtype = Field("bfloat16", description="Weight and compute precision of training and rollout.")
+    dtype: Dtype = Field(
+        "bfloat16",
+        description="Compute precision of training and rollout: bfloat16 (what GPUs and NPUs train in) or "
+        "float32. The trainer keeps fp32 master weights and optimizer state either way (mixed precision).",
+    )
     finetune: FinetuneSpec = Field(default_factory=FinetuneSpec, description="LoRA or full fine-tuning.")
 
     @model_validator(mode="after")

@@ -176,7 +176,10 @@ class ProgressStatus(_Status):
     step: int | None = Field(None, ge=0, description="Optimizer steps done.")
     max_steps: int | None = Field(None, ge=0, description="Steps the job runs (spec.grpo.maxSteps).")
     mean_reward: float | None = Field(None, description="Mean reward of the last step's completions.")
-    loss: float | None = Field(None, description="Policy loss of the last step.")
+    loss: float | None = Field(None, description="Policy loss of the last step (mean over its updates).")
+    eval_reward: float | None = Field(
+        None, description="Mean reward of the latest held-out evaluation (spec.evaluation)."
+    )
     tokens_per_second: float | None = Field(
         None, ge=0.0, description="Generated tokens per second over the last step."
     )

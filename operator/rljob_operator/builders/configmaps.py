@@ -71,7 +71,10 @@ def _model_settings(spec: api.RLJobSpec, model_config: dict[str, Any] | None) ->
 
 
 def _data_settings(spec: api.RLJobSpec) -> dict[str, Any]:
-    d = spec.data
+    return _data_settings_of(spec.data)
+
+
+def _data_settings_of(d: api.DataSpec) -> dict[str, Any]:
     src = d.source
     out: dict[str, Any] = {
         "prompt_field": d.prompt_field,
@@ -141,16 +144,71 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     }
 
 
+# spec.grpo.policyLoss -> the trainer's registered loss (rljob_trainer.algos); "-tis" with TIS.
+_POLICY_LOSS = {"ppo": "clipped", "gspo": "gspo"}
+
+
 def _pipeline_settings(spec: api.RLJobSpec, rollout: dict[str, Any]) -> dict[str, Any]:
-    """maxStaleness (default 1 when the job can have dedicated engines, else 0) and its TIS loss."""
+    """maxStaleness (default 1 when the job can have dedicated engines, else 0), the policy loss (its
+    TIS variant when the pipeline runs ahead) and DAPO's dynamic sampling."""
     g = spec.grpo
     staleness = g.max_staleness
     if staleness is None:
         staleness = 1 if rollout["max_dedicated_engines"] > 0 else 0
-    out: dict[str, Any] = {"max_staleness": staleness}
+    loss = _POLICY_LOSS[g.policy_loss]
+    out: dict[str, Any] = {
+        "max_staleness": staleness,
+        "policy_loss": loss,
+        "clip_ratio_c": g.clip_ratio_c,
+        "max_skipped_steps": g.max_skipped_steps,
+        "dynamic_sampling": {
+            "enabled": g.dynamic_sampling.enabled,
+            "max_generation_rounds": g.dynamic_sampling.max_generation_rounds,
+        },
+    }
     if staleness > 0 and g.tis_cap > 0:
-        out.update(policy_loss="clipped-tis", tis_cap=g.tis_cap)
+        out.update(policy_loss=f"{loss}-tis", tis_cap=g.tis_cap)
     return out
+
+
+def _evaluation_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
+    """spec.evaluation for the trainer; its data is read where spec.data's volumes are mounted."""
+    ev = spec.evaluation
+    if ev is None:
+        return None
+    src, train = ev.data.source, spec.data.source
+    if src.pvc is not None and (train.pvc is None or train.pvc.claim_name != src.pvc.claim_name):
+        raise errors.InvalidSpecError(
+            "spec.evaluation.data.source.pvc",
+            "held-out data on a claim must be on spec.data's own claim (the one the trainer pods mount); "
+            "put the file there or use a builtin or hub source",
+        )
+    if src.config_map_ref is not None and (
+        train.config_map_ref is None or train.config_map_ref.name != src.config_map_ref.name
+    ):
+        raise errors.InvalidSpecError(
+            "spec.evaluation.data.source.configMapRef",
+            "held-out data in a ConfigMap must be in spec.data's own ConfigMap (the one the trainer pods "
+            "mount), under another key",
+        )
+    data = _data_settings_of(ev.data)
+    if (
+        src.hub is not None
+        and src.hub.token_secret_ref is not None
+        and src.hub.token_secret_ref != (train.hub.token_secret_ref if train.hub is not None else None)
+    ):
+        raise errors.InvalidSpecError(
+            "spec.evaluation.data.source.hub.tokenSecretRef",
+            "the trainer pods carry only spec.data's hub token: use the same tokenSecretRef or none",
+        )
+    return {
+        "data": data,
+        "every_steps": ev.every_steps,
+        "max_samples": ev.max_samples,
+        "temperature": ev.sampling.temperature,
+        "top_p": ev.sampling.top_p,
+        "samples_per_prompt": ev.sampling.samples_per_prompt,
+    }
 
 
 # Env vars the trainer pods get from the tracking Secrets (spec.tracking.*SecretRef).
@@ -242,6 +300,7 @@ def render_trainer_config(
             "merge_lora": spec.export.merge_lora,
         },
         "tracking": _tracking_settings(spec),
+        "evaluation": _evaluation_settings(spec),
         "telemetry": {"enabled": True},
         "distributed": {
             "num_trainer_ranks": plan.trainer_accelerators or 1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -21,6 +22,8 @@ from typing import Any
 from rljob_operator import api, names
 from rljob_trainer import telemetry
 
+# Curves drawn into another plot's panel, with a legend: the held-out reward beside the training one.
+OVERLAYS: dict[str, tuple[str, str]] = {"mean_reward": ("eval_mean_reward", "eval")}
 PLOTS: tuple[tuple[str, str], ...] = (
     ("reward", "mean_reward"),
     ("loss", "loss"),
@@ -42,11 +45,17 @@ def _age(then: str | None, now: datetime) -> str:
     return f"{s // 3600}h"
 
 
+def _value(x: float | None) -> float:
+    """A reported value, NaN where the driver reported none (not finite, or no evaluation then)."""
+    return float("nan") if x is None else x
+
+
 def _series(reports: Sequence[telemetry.SyncReport]) -> dict[str, list[float]]:
     return {
         "step": [float(r.step) for r in reports],
-        "mean_reward": [r.mean_reward for r in reports],
-        "loss": [r.loss for r in reports],
+        "mean_reward": [_value(r.mean_reward) for r in reports],
+        "eval_mean_reward": [_value(r.eval_mean_reward) for r in reports],
+        "loss": [_value(r.loss) for r in reports],
         "tokens_per_s": [r.tokens_per_s for r in reports],
         "engines_awake": [float(r.shared_engines_awake + r.dedicated_engines) for r in reports],
     }
@@ -105,6 +114,14 @@ def build_status_view(
     }
 
 
+def _points(steps: Sequence[float], values: Sequence[float]) -> list[tuple[float, float]]:
+    return [(x, y) for x, y in zip(steps, values, strict=True) if math.isfinite(y)]
+
+
+def _columns(points: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    return [x for x, _ in points], [y for _, y in points]
+
+
 def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: int = 10) -> str:
     """The history as terminal line plots, two per row (plotext, no colours)."""
     import plotext as plt
@@ -119,7 +136,13 @@ def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: i
     plt.plotsize(width, height * rows)
     for i, (title, key) in enumerate(PLOTS):
         plt.subplot(i // 2 + 1, i % 2 + 1)
-        plt.plot(steps, list(series[key]), marker="braille")
+        overlay = OVERLAYS.get(key)
+        # NaN marks a step without a value (a loss that was not finite, no evaluation at that step)
+        extra = _points(steps, series[overlay[0]]) if overlay else []
+        label = {"label": "train"} if extra else {}
+        plt.plot(*_columns(_points(steps, series[key])), marker="braille", **label)
+        if overlay and extra:
+            plt.plot(*_columns(extra), marker="braille", label=overlay[1])
         plt.title(title)
         plt.xlabel("step")
     text = plt.uncolorize(plt.build())
@@ -145,7 +168,12 @@ ENGINE_PLAN = (
     ("maxNumSeqs", "maxNumSeqs"),
     ("maxNumBatchedTokens", "maxNumBatchedTokens"),
 )
-PROGRESS = (("reward", "meanReward"), ("loss", "loss"), ("tokens/s", "tokensPerSecond"))
+PROGRESS = (
+    ("reward", "meanReward"),
+    ("eval reward", "evalReward"),
+    ("loss", "loss"),
+    ("tokens/s", "tokensPerSecond"),
+)
 ROLLOUT = (
     ("engines awake", "enginesAwakeTotal"),
     ("desired dedicated", "desiredDedicatedEngines"),

@@ -69,6 +69,7 @@ def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) ->
         dtype=spec.model.dtype,
         lora=spec.model.finetune.mode == "lora",
         lora_rank=spec.model.finetune.lora.rank,
+        kl_reference=spec.model.finetune.mode == "full" and spec.grpo.kl_coef > 0,
         accelerator=accelerator,
         custom_devices=custom_devices,
         total_accelerators=resources.total_accelerators,

@@ -47,6 +47,9 @@ class PlanRequest(BaseModel):
     dtype: str | None = Field(default=None, description="Override the serving dtype (default: the config's).")
     lora: bool = Field(default=False, description="Train LoRA adapters instead of all weights.")
     lora_rank: int = Field(default=64, gt=0)
+    kl_reference: bool = Field(
+        default=False, description="Full fine-tuning with a KL penalty: the trainer holds a frozen reference."
+    )
     accelerator: str = Field(default="H100-80GB", description="Catalog name (see devices.DEFAULT_CATALOG).")
     custom_devices: tuple[devices.DeviceSpec, ...] = Field(default=(), description="Extra catalog entries.")
     total_accelerators: int = Field(gt=0, description="Accelerators the job may use in total.")
@@ -339,6 +342,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         lora=request.lora,
         lora_rank=request.lora_rank,
         sleeping_engine=adaptive,
+        reference=request.kl_reference,
     )
     reasons.append(trainer_reason)
     n_min = min_trainer.accelerators
@@ -374,6 +378,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         lora_rank=request.lora_rank,
         sleeping_engine=adaptive or colocated,
         device=device,
+        reference=request.kl_reference,
     )
     generation = gen_s(dedicated if dedicated else shared)
     training = train_s(n_trainer)

@@ -5,11 +5,16 @@ and the smallest trainer count that fits. Caller: :mod:`planner`.
 
 Per accelerator with ``n`` FSDP ranks and ``P`` parameters:
 
-* full fine-tuning (mixed precision, fp32 master weights as verl/torchtitan keep them):
-  ``16 P / n`` = fp32 weights 4 + fp32 grads 4 + Adam m and v 8, plus the bf16 all-gathered
-  copies of the two largest transformer blocks (current + prefetched);
-* LoRA: frozen base in the model dtype ``2 P / n`` plus ``16 T / n`` for the ``T`` adapter
+* full fine-tuning, what the trainer holds (``rljob_trainer.precision``: FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=<dtype>, reduce_dtype=float32)``): ``16 P / n`` = fp32 master
+  weights 4 + fp32 gradients 4 + AdamW m and v 8, sharded; with a KL penalty the frozen reference
+  in the model dtype, sharded too (``2 P / n``);
+* LoRA: frozen base in the model dtype ``2 P / n`` plus ``16 T / n`` for the ``T`` fp32 adapter
   parameters (rank ``r`` on every projection: ``r x (in + out)``);
+* unsharded compute copies in the model dtype, at any ``n`` (also 1: the policy casts the fp32
+  masters): two decoder layers (current + prefetched), the root module's parameters (embeddings and
+  an untied head, which FSDP2 keeps unsharded from forward to backward), and one layer's gradient in
+  the model dtype plus its fp32 copy for the reduction;
 * activations with gradient checkpointing at ``micro_batch_tokens``: the saved hidden state at
   every layer boundary, one layer's recompute working set, and fp32 logits + their gradient
   (the largest single term at 150k-token vocabularies); not sharded by FSDP;
@@ -55,8 +60,14 @@ class TrainerMemory(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     accelerators: int
-    sharded_state_bytes: int = Field(description="Weights + grads + optimizer, sharded over the ranks.")
-    gathered_weight_bytes: int = Field(description="Unsharded blocks during forward/backward.")
+    sharded_state_bytes: int = Field(
+        description="fp32 master weights + fp32 grads + AdamW state (LoRA: and the frozen base; with KL "
+        "under full fine-tuning: and the reference), sharded over the ranks."
+    )
+    gathered_weight_bytes: int = Field(
+        description="Unsharded compute copies in the model dtype during forward/backward (two layers, the "
+        "root's embeddings/head) and one layer's gradient in the model dtype and in fp32."
+    )
     activation_bytes: int
     runtime_bytes: int
     total_bytes: int
@@ -72,8 +83,10 @@ def trainer_memory(
     lora_rank: int = 64,
     sleeping_engine: bool = False,
     device: devices.DeviceSpec | None = None,
+    reference: bool = False,
 ) -> TrainerMemory:
-    """Per-accelerator memory of an FSDP2 update over ``accelerators`` ranks."""
+    """Per-accelerator memory of an FSDP2 mixed-precision update over ``accelerators`` ranks
+    (``reference``: a frozen full copy for the KL penalty, as full fine-tuning with klCoef > 0 holds)."""
     if accelerators < 1:
         raise errors.InvalidPlanRequestError("trainer_accelerators", "must be at least 1")
     elem = geometry.dtype_bytes(model.dtype, "dtype")
@@ -83,9 +96,9 @@ def trainer_memory(
         sharded = _ceil_div(params * elem + 16 * trainable, accelerators)
     else:
         trainable = params
-        sharded = _ceil_div(16 * params, accelerators)
-    block_bytes = model.layer_params(active=False) // model.num_hidden_layers * elem
-    gathered = 2 * block_bytes if accelerators > 1 else 0
+        sharded = _ceil_div(16 * params + (params * elem if reference else 0), accelerators)
+    block = model.layer_params(active=False) // model.num_hidden_layers
+    gathered = (2 * block + model.embedding_params()) * elem + block * (elem + 4)
     h, tokens = model.hidden_size, micro_batch_tokens
     boundaries = model.num_hidden_layers * tokens * h * elem
     mlp_width = model.intermediate_size
@@ -121,6 +134,7 @@ def min_trainer_accelerators(
     lora: bool = False,
     lora_rank: int = 64,
     sleeping_engine: bool = False,
+    reference: bool = False,
 ) -> tuple[TrainerMemory, str]:
     """Smallest FSDP size up to ``max_accelerators`` whose per-rank memory fits ``device``."""
     if max_accelerators < 1:
@@ -136,6 +150,7 @@ def min_trainer_accelerators(
         lora=lora,
         lora_rank=lora_rank,
         sleeping_engine=sleeping_engine,
+        reference=reference,
     )
     for n in range(1, max_accelerators + 1):
         mem = trainer_memory(
@@ -146,14 +161,22 @@ def min_trainer_accelerators(
             lora_rank=lora_rank,
             sleeping_engine=sleeping_engine,
             device=device,
+            reference=reference,
         )
         last = mem
         if mem.total_bytes <= budget:
             kind = f"LoRA r={lora_rank}" if lora else "full fine-tuning"
+            held = (
+                f"fp32 adapters + {model.dtype} frozen base"
+                if lora
+                else "fp32 masters, grads and AdamW state"
+                + (f" + {model.dtype} KL reference" if reference else "")
+            )
             return mem, (
-                f"trainer needs >= {n} accelerator(s): FSDP2 {kind} {mem.total_bytes / GIB:.1f} GiB/rank "
+                f"trainer needs >= {n} accelerator(s): FSDP2 {kind}, mixed precision ({held}, sharded; "
+                f"compute in {model.dtype}) {mem.total_bytes / GIB:.1f} GiB/rank "
                 f"(state {mem.sharded_state_bytes / GIB:.1f} + "
-                f"gathered {mem.gathered_weight_bytes / GIB:.1f} + "
+                f"{model.dtype} compute copies {mem.gathered_weight_bytes / GIB:.1f} + "
                 f"activations at {micro_batch_tokens} tokens {mem.activation_bytes / GIB:.1f} + runtime "
                 f"{mem.runtime_bytes / GIB:.1f}) <= {budget / GIB:.1f} GiB"
             )

@@ -47,6 +47,8 @@ RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
 GANG_SCHEDULING = "GangScheduling"
+TRACKING = "Tracking"  # False when an experiment tracker (W&B, MLflow) could not start or failed
+DATA_FILTERED = "DataFiltered"  # True when prompts over spec.lengths.maxPromptTokens were dropped
 ADMITTED = "Admitted"
 PREEMPTED = "Preempted"
 CONDITION_TYPES = (
@@ -182,8 +184,13 @@ def _progress(spec: api.RLJobSpec | None, report: SyncReport | None, old: api.Pr
     return api.ProgressStatus(
         step=report.step,
         max_steps=spec.grpo.max_steps if spec else (old.max_steps if old else None),
-        mean_reward=_significant(report.mean_reward),
-        loss=_significant(report.loss),
+        mean_reward=_significant(report.mean_reward) if report.mean_reward is not None else None,
+        loss=_significant(report.loss) if report.loss is not None else None,
+        eval_reward=(
+            _significant(report.eval_mean_reward)
+            if report.eval_mean_reward is not None
+            else (old.eval_reward if old else None)
+        ),
         tokens_per_second=round(report.tokens_per_s, 1),
         last_sync_time=datetime.fromtimestamp(report.time, tz=timezone.utc),
         export_path=report.export_path or (old.export_path if old else None),
@@ -212,6 +219,32 @@ def compute_rollout(
         out.desired_shared_awake = 0
     out.idle_accelerators = layout.idle_accelerators if layout else None
     return api.RolloutStatus.model_validate(out.model_dump())  # refresh enginesAwakeTotal
+
+
+def _trainer_notes(spec: api.RLJobSpec | None, report: SyncReport | None) -> list[tuple[str, bool, str, str]]:
+    """Conditions from what the driver reported: trackers that could not start or failed (`Tracking`,
+    a Warning Event on the transition), and prompts dropped for their length (`DataFiltered`)."""
+    if report is None or spec is None:
+        return []
+    out: list[tuple[str, bool, str, str]] = []
+    if spec.tracking.wandb is not None or spec.tracking.mlflow is not None:
+        if report.tracker_errors:
+            msg = "; ".join(report.tracker_errors) + " (the run goes on; fix spec.tracking or the server)"
+            out.append((TRACKING, False, "TrackerFailed", msg))
+        else:
+            out.append((TRACKING, True, "TrackersLogging", "every configured tracker logs each step"))
+    if report.dropped_prompts:
+        out.append(
+            (
+                DATA_FILTERED,
+                True,
+                "PromptsDropped",
+                f"{report.dropped_prompts} prompts are longer than spec.lengths.maxPromptTokens "
+                f"({spec.lengths.max_prompt_tokens} tokens) and were dropped, never cut; raise "
+                "maxPromptTokens to train on them",
+            )
+        )
+    return out
 
 
 def _pod_issue(pods: Sequence[PodObservation], unbound_claims: Sequence[str] = ()) -> tuple[str, str] | None:
@@ -301,6 +334,8 @@ def compute_status(
         return new
 
     put(PLANNED, True, "PlanComputed", _plan_message(plan))
+    for type_, status, reason, message in _trainer_notes(spec, observed.report):
+        put(type_, status, reason, message)
     if observed.gang is not None:
         put(GANG_SCHEDULING, *observed.gang)
     suspended = observed.suspended
@@ -502,7 +537,7 @@ def transitions(old: Sequence[api.Condition], new: Sequence[api.Condition]) -> l
 def event_type(cond: api.Condition) -> Literal["Normal", "Warning"]:
     """Warning for conditions that report trouble, Normal otherwise."""
     bad = (cond.type in (FAILED, RESTARTING) and cond.status == "True") or (
-        cond.type in (PLANNED, READY)
+        cond.type in (PLANNED, READY, TRACKING)
         and cond.status == "False"
         and cond.reason not in ("PodsPending", "Suspended", "Finished", "SpecFixed", "Queued")
     )

@@ -2,7 +2,8 @@
 
 Role: generate completions with a plain Hugging Face causal LM, a KV cache and a per-request seeded
 sampler (so a request's output does not depend on the batch it shares), returning the log-probs it
-sampled with (after temperature and top-p, like vLLM's `processed_logprobs`); sleep and take new
+sampled with (`rljob_trainer.sampling`: vLLM 0.33's `processed_logprobs`, temperature then top-p,
+greedy below temperature 1e-5; the trainer computes the same); sleep and take new
 weights in place under vLLM's rules (`base.SleepState`: level 1 offloads, level 2 discards, no
 update while the weights sleep, no sleep without sleep mode), so a driver that breaks them on a GPU
 breaks here too. With `rollout.engineLora` (model.finetune lora) it serves the policy as vLLM's
@@ -20,18 +21,9 @@ from typing import Any
 import torch
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import modeling
+from rljob_trainer import modeling, precision
+from rljob_trainer import sampling as rljob_sampling
 from rljob_trainer.engines import base
-
-
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail outside the smallest set of tokens whose mass reaches top_p; renormalise. (V,)."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = torch.sort(probs, descending=True)
-    keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-    filtered = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
-    return filtered / filtered.sum()
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -92,6 +84,8 @@ class TransformersEngine(base.RolloutEngine):
         if self.serves_lora:  # the trainer's adapter shape; B starts at zero, so it serves the base
             model = modeling.apply_finetune_mode(model, self._cfg.model)
             model.requires_grad_(False)
+            # vLLM holds LoRA weights in the model dtype (peft would upcast them to fp32).
+            precision.cast_params_(model, precision.compute_dtype(self._cfg.model.dtype))
         self._model = model.to(self._device).eval()
 
     @property
@@ -234,17 +228,22 @@ class TransformersEngine(base.RolloutEngine):
         done = [False] * n
         reasons = ["length"] * n
         next_pos = pos[:, -1:] + 1
+        greedy = rljob_sampling.is_greedy(sampling.temperature)
         for step in range(sampling.max_tokens):
-            logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+            # What it samples from and returns: vLLM's processed log-probs (temperature, then top-p).
+            logp = rljob_sampling.processed_log_probs(
+                logits, temperature=sampling.temperature, top_p=sampling.top_p
+            )
             nxt = torch.full((n,), self._pad_id, dtype=torch.long)
             for i in range(n):
                 if done[i]:
                     continue
-                probs = _top_p_filter(logp[i].exp(), sampling.top_p)
-                tok = int(torch.multinomial(probs, 1, generator=gens[i]).item())
+                if greedy:
+                    tok = int(torch.argmax(logp[i]).item())
+                else:
+                    tok = int(torch.multinomial(logp[i].exp(), 1, generator=gens[i]).item())
                 tokens[i].append(tok)
-                # The log-prob it was sampled with: after temperature and top-p (vLLM's processed_logprobs).
-                lps[i].append(float(torch.log(probs[tok])))
+                lps[i].append(float(logp[i, tok]))
                 nxt[i] = tok
                 if tok in stop:
                     done[i], reasons[i] = True, "stop"

@@ -169,30 +169,41 @@ class RolloutPipeline:
         g = self.cfg.grpo
         last = min(g.max_steps, self.owner.weights_version + self.lookahead + 1)
         while self._next_step <= last:
-            step = self._next_step
-            idx, self._sampler = data.next_prompts(
-                self._sampler,
-                g.prompts_per_step,
-                num_examples=len(self.examples),
-                seed=g.seed,
-                shuffle=self.cfg.data.shuffle,
-            )
-            group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
-            prompts = [self.encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
-            n = len(prompts)
-            job = GenJob(
-                step,
-                idx,
-                self._sampler,
-                group_ids,
-                prompts,
-                [sample_seed(g.seed, step, i) for i in range(n)],
-                [None] * n,
-            )
-            self.jobs[step] = job
-            for i, rid in enumerate(self.dispatcher.submit(n)):
-                self._request_of[rid] = (step, i)
+            self.jobs[self._next_step] = self._new_job(self._next_step, g.prompts_per_step)
             self._next_step += 1
+
+    def _new_job(self, step: int, prompts: int, *, key: int | None = None, seed_offset: int = 0) -> GenJob:
+        """The next `prompts` prompts from the sampler as step `step`'s job, queued under `key`."""
+        g = self.cfg.grpo
+        idx, self._sampler = data.next_prompts(
+            self._sampler,
+            prompts,
+            num_examples=len(self.examples),
+            seed=g.seed,
+            shuffle=self.cfg.data.shuffle,
+        )
+        group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
+        requests = [self.encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
+        n = len(requests)
+        seeds = [sample_seed(g.seed, step, seed_offset + i) for i in range(n)]
+        job = GenJob(step, idx, self._sampler, group_ids, requests, seeds, [None] * n)
+        for i, rid in enumerate(self.dispatcher.submit(n)):
+            self._request_of[rid] = (step if key is None else key, i)
+        return job
+
+    def extra_job(self, step: int, prompts: int, round_index: int) -> GenJob:
+        """Dynamic sampling's refill (`rljob_trainer.dynamic_sampling`): `prompts` more prompts from the
+        sampler, generated now with the current weights by the engines that serve step `step` (its
+        shared engines woken and put back to sleep as for the step itself); blocks until complete."""
+        key = -(step * 1000 + round_index)  # never a step number
+        job = self._new_job(step, prompts, key=key, seed_offset=round_index * self.cfg.samples_per_step)
+        self.jobs[key] = job
+        self.owner.prepare_generation()
+        t0 = self.clock()
+        self.pump(lambda: job.complete, current=key)
+        self.trainer_wait_s += self.clock() - t0
+        self.owner.sleep_shared_engines()
+        return self.jobs.pop(key)
 
     def _admit(self, current: int) -> None:
         """Hand queued requests to idle awake engines, one generate call per engine at a time:
