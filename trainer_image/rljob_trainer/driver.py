@@ -44,7 +44,8 @@ from rljob_trainer import (
     trainer,
 )
 from rljob_trainer import config as config_mod
-from rljob_trainer.rollout import buffer, dispatcher, pipeline, weight_sync
+from rljob_trainer.engines import base as engine_base
+from rljob_trainer.rollout import buffer, dispatcher, pipeline, vllm_transfer, weight_sync
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -228,7 +229,9 @@ class GRPODriver:
         self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
         choice = self._transfer_choice(colocated=colocated)
         if choice not in self.weight_transfer.values():  # once per kind of engine and path
-            log.info(
+            # A fallback path (collective_rpc: vLLM documents it for control messages) is a warning.
+            log.log(
+                logging.WARNING if choice.fallback and self.cfg.rollout.kind == "vllm" else logging.INFO,
                 "weight transfer to %s engines: %s, backend %s (%s)",
                 "colocated" if colocated else "dedicated",
                 choice.path,
@@ -239,7 +242,7 @@ class GRPODriver:
         if name in self.engines and choice.path == weight_sync.PATH_COLLECTIVE:
             self._join_weight_group(name)
         elif name in self.engines and choice.path == weight_sync.PATH_VLLM_NATIVE:
-            self._join_vllm_transfer(name, choice.backend)
+            self._join_vllm_transfer(name, choice)
         if name not in self.engines:
             raise EngineLost(f"engine {name} was lost while it started")
         self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
@@ -262,21 +265,18 @@ class GRPODriver:
         if name in self.engines:
             self.rt.get(rank_side)
 
-    def _join_vllm_transfer(self, name: str, backend: str) -> None:
-        """vLLM's weight-transfer channel of engine `name`: an nccl group with trainer rank 0 (both
-        sides block until joined), or nothing to open for ipc. NOT RUN here (no GPU, no vLLM)."""
-        handle = self.engines[name].handle
-        if backend == "ipc":
-            self._settle({name: self.rt.submit(handle, "init_weight_transfer", {})}, what="weight transfer")
-            return
-        world = 1 + int(self.rt.get(self.rt.submit(handle, "world_size")))
-        host, port = self.rt.get(self.rt.submit(self.ranks[0], "vllm_transfer_address"))
-        info = {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world}
-        engine_side = self.rt.submit(handle, "init_weight_transfer", info)
-        rank_side = self.rt.submit(self.ranks[0], "vllm_transfer_open", name, host, port, world)
-        self._settle({name: engine_side}, what="weight transfer")
-        if name in self.engines:
-            self.rt.get(rank_side)
+    def _join_vllm_transfer(self, name: str, choice: weight_sync.WeightTransferChoice) -> None:
+        """vLLM's weight-transfer channel of engine `name` (`vllm_transfer.open_channel`); an engine
+        whose channel does not open within rollout.engineTimeoutS is dropped as lost."""
+        error = vllm_transfer.open_channel(
+            self.rt, self.ranks, name, self.engines[name].handle, choice, **self._rank_wait()
+        )
+        if error is not None:
+            log.warning("engine %s: weight transfer did not open: %s", name, error)
+            self.drop_engine(name, lost=True)
+
+    def _rank_wait(self) -> dict[str, Any]:
+        return {"timeout_s": self.cfg.rollout.engine_timeout_s, "clock": self.clock}
 
     def drop_engine(self, name: str, *, lost: bool = False) -> None:
         """Drop an engine: its queued and in-flight requests go back to the queue, its calls are
@@ -285,8 +285,11 @@ class GRPODriver:
         self.dispatcher.remove_engine(name)
         self.pipeline.forget_engine(name)
         choice = self.weight_transfer.get(name)
-        if choice is not None and choice.path in (weight_sync.PATH_COLLECTIVE, weight_sync.PATH_VLLM_NATIVE):
+        if choice is not None and choice.path == weight_sync.PATH_COLLECTIVE:
             self.rt.submit(self.ranks[0], "weight_group_close", name)  # queued behind the rank's work
+        elif choice is not None and choice.path == weight_sync.PATH_VLLM_NATIVE:
+            for r in self.ranks:  # every rank holds an end of a vLLM channel
+                self.rt.submit(r, "vllm_transfer_close", name)
         try:
             self.rt.kill(eng.handle)
         except Exception as e:  # already gone with its node
@@ -296,11 +299,17 @@ class GRPODriver:
         log.info("engine %s %s", name, "lost" if lost else "dropped")
 
     def _settle(
-        self, futures: dict[str, Any], *, what: str, timeout_s: float | None = None
+        self,
+        futures: dict[str, Any],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+        drop_on_error: bool = False,
     ) -> dict[str, Any]:
         """Results of one call per engine; an engine that died or did not answer within `timeout_s`
         (default rollout.engineTimeoutS) is dropped as lost (absent from the result), never failing
-        the job."""
+        the job. With `drop_on_error` (weight transfers) so is one whose call raised, unless it broke
+        a sleep rule (`base.EngineStateError`: a driver bug, raised)."""
         out: dict[str, Any] = {}
         timeout = self.cfg.rollout.engine_timeout_s if timeout_s is None else timeout_s
         deadline = self.clock() + timeout
@@ -322,6 +331,14 @@ class GRPODriver:
                     out[name] = self.rt.get(fut)
                 except lost as e:
                     log.warning("engine %s: %s failed, the engine is gone: %s", name, what, e)
+                    if name in self.engines:
+                        self.drop_engine(name, lost=True)
+                except engine_base.EngineStateError:
+                    raise
+                except Exception as e:
+                    if not drop_on_error:
+                        raise
+                    log.warning("engine %s: %s failed, the engine is dropped: %s", name, what, e)
                     if name in self.engines:
                         self.drop_engine(name, lost=True)
         return out
@@ -506,10 +523,12 @@ class GRPODriver:
         if self._collective:
             receiving = {n: self.rt.submit(self.engines[n].handle, "receive_engine_weights") for n in names}
             sends = [self.rt.submit(r, "send_engine_weights", version, list(names), what) for r in self.ranks]
-            failed = self.rt.get(sends)[0]
+            failed = vllm_transfer.rank_results(
+                self.rt, sends, what="weight sync", engines=len(names), **self._rank_wait()
+            )[0]
             for name, error in failed.items():
                 log.warning("weight sync to %s failed: %s", name, error)
-            done = self._settle(receiving, what="weight sync")
+            done = self._settle(receiving, what="weight sync", drop_on_error=True)
             for name in failed:
                 if name in self.engines:
                     self.drop_engine(name, lost=True)
@@ -521,37 +540,25 @@ class GRPODriver:
                     for n in names
                 },
                 what="weight sync",
+                drop_on_error=True,
             )
         for n in done:
             if n in self.engines:
                 self.engines[n].version = version
 
     def _update_vllm_native(self, names: Sequence[str], version: int) -> None:
-        """The current weights through vLLM's weight-transfer API: nccl engines receive while the ranks
-        broadcast; ipc engines are called by rank 0 with the handles. NOT RUN here (no GPU, no vLLM)."""
-        meta = self.rt.get(self.rt.submit(self.ranks[0], "engine_weight_metadata"))
-        nccl = [n for n in names if self.weight_transfer[n].backend == "nccl"]
-        receiving = {
-            n: self.rt.submit(
-                self.engines[n].handle, "receive_weight_transfer", {**meta, "packed": True}, version
-            )
-            for n in nccl
-        }
-        targets = {
-            n: (self.weight_transfer[n].backend, None if n in nccl else self.engines[n].handle) for n in names
-        }
-        failed = self.rt.get([self.rt.submit(r, "vllm_send_weights", version, targets) for r in self.ranks])[
-            0
-        ]
-        done = set(self._settle(receiving, what="weight sync")) | {n for n in names if n not in nccl}
-        for name, error in failed.items():
-            log.warning("weight transfer to %s failed: %s", name, error)
-            done.discard(name)
-            if name in self.engines:
-                self.drop_engine(name, lost=True)
-        for n in done:
-            if n in self.engines:
-                self.engines[n].version = version
+        """The current weights through vLLM's weight-transfer API (`vllm_transfer.send_round`: every
+        rank takes part, rank 0 drives the engines, each call bounded); an engine that fails is dropped
+        as lost, the others go on. NOT RUN here (no GPU, no vLLM)."""
+        choices = {n: self.weight_transfer[n] for n in names}
+        failed = vllm_transfer.send_round(self.rt, self.ranks, choices, version, **self._rank_wait())
+        for name in names:
+            if name in failed:
+                log.warning("weight transfer to %s failed: %s", name, failed[name])
+                if name in self.engines:
+                    self.drop_engine(name, lost=True)
+            elif name in self.engines:
+                self.engines[name].version = version
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
