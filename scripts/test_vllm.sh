@@ -21,8 +21,12 @@ fi
 
 python312() {  # the images' Python (3.12)
   local p
-  for p in "${PYTHON312:-}" "$(command -v python3.12 || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
-    if [ -n "$p" ] && [ -x "$p" ]; then echo "$p"; return; fi
+  for p in "${PYTHON312:-}" "$HOME"/.pyenv/versions/3.12*/bin/python3.12 "$(command -v python3.12 || true)"; do
+    # a pyenv shim of a version that is not active exists but does not run: try each
+    if [ -n "$p" ] && [ -x "$p" ] && "$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      echo "$p"
+      return
+    fi
   done
   echo "test-vllm: needs Python 3.12 (the images' Python); set PYTHON312" >&2
   exit 1
@@ -47,9 +51,9 @@ build_venv() {  # build_venv DIR LOCK: DIR from LOCK, rebuilt when the lock or p
   if [ "$dir" = .venv-vllm-ascend ]; then
     # vllm-ascend (CANN-only sdist), torch-npu and the NPU memory pools are not needed to check the
     # Python API; vLLM builds from its sdist without CUDA, as the Ascend image builds it.
-    grep -v -E '^(vllm-ascend|torch-npu|memfabric-hybrid|memcache-hybrid|arctic-inference)==' "$lock" \
-      | awk 'BEGIN{skip=0} /^[a-z0-9]/{skip=0} /^[ ]+--hash/{ if (skip) next } {print}' \
-      >"$dir/lock-x86.txt"
+    awk -v skip_re='^(vllm-ascend|torch-npu|memfabric-hybrid|memcache-hybrid|arctic-inference)==' '
+      /^[A-Za-z0-9]/ { skip = ($0 ~ skip_re) }
+      !skip { print }' "$lock" >"$dir/lock-x86.txt"
     VLLM_TARGET_DEVICE=empty "$UV" pip install --quiet --python "$dir/bin/python" --no-deps \
       --require-hashes --no-binary vllm -r "$dir/lock-x86.txt"
   else
@@ -70,7 +74,7 @@ ascend_source() {  # vllm-ascend's sdist, by the hash the Ascend lock pins, extr
 import hashlib, re, sys, tarfile, io, urllib.request
 lock, out = sys.argv[1], sys.argv[2]
 text = open(lock).read()
-block = re.search(r"^vllm-ascend==(\S+) \\\n((?:\s+--hash=sha256:\w+ \\?\n)+)", text, re.M)
+block = re.search(r"^vllm-ascend==(\S+) \\\n((?:\s+--hash=sha256:\w+(?: \\)?\n)+)", text, re.M)
 version, hashes = block.group(1), set(re.findall(r"sha256:(\w+)", block.group(2)))
 index = urllib.request.urlopen("https://pypi.org/simple/vllm-ascend/").read().decode()
 url = next(u for u in re.findall(r'href="([^"]+)"', index) if f"vllm_ascend-{version}.tar.gz" in u)

@@ -88,14 +88,22 @@ def test_the_client_is_a_vllm_weight_sync_client_and_names_engine_methods_that_e
         assert list(ours) == [p for p in theirs if p != "self"], name
 
 
-def test_the_source_is_a_vllm_weight_source_that_vllms_sender_accepts(src: Any) -> None:
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+def test_the_source_is_a_vllm_weight_source_that_vllms_sender_accepts(
+    api: weight_sync.VLLMWeightTransferAPI, src: Any
+) -> None:
+    metas = src.metadata
+    assert [(m.name, m.dtype, tuple(m.shape)) for m in metas] == [
+        (n, t.dtype, tuple(t.shape)) for n, t in src.iter_full()
+    ]
+    assert all(m.dtype == torch.bfloat16 for m in metas)
+    if api.generation == weight_sync.GEN_TRAINER_ENGINES:
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    assert isinstance(src, WeightSource) and src.implements_iter_full()
-    assert all(isinstance(m, ParamMeta) and m.dtype == torch.bfloat16 for m in src.metadata)
-    # IPC needs every rank to own every tensor; NCCL a single sender at rank 0 (owners unset).
-    assert len(src.owned_names(0)) == len(src.owned_names(3)) == len(src.metadata)
-    names = [m.name for m in src.metadata]
+        assert isinstance(src, WeightSource) and src.implements_iter_full()
+        assert all(isinstance(m, ParamMeta) for m in metas)
+        # IPC needs every rank to own every tensor; NCCL a single sender at rank 0 (owners unset).
+        assert len(src.owned_names(0)) == len(src.owned_names(3)) == len(metas)
+    names = [m.name for m in metas]
     assert len(names) == len(set(names)) and "lm_head.weight" not in names  # tied: sent once
 
 

@@ -174,6 +174,11 @@ class RolloutEngine(abc.ABC):
     def load_report(self) -> EngineLoad:
         """Counters for logs and telemetry."""
 
+    def adapter_version(self) -> int | None:
+        """Engines serving LoRA (rollout.engineLora): the weights version of the adapter they serve
+        now, None when they serve none (never loaded, discarded, or lost across a sleep)."""
+        return None
+
     @property
     @abc.abstractmethod
     def is_sleeping(self) -> bool: ...

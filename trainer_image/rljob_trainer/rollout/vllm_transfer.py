@@ -46,6 +46,8 @@ GEN_TRAINER_ENGINES = "trainer-engines"  # == weight_sync.GEN_TRAINER_ENGINES (n
 GEN_STATIC_SENDER = "static-sender"
 # How long an aborted send may take to unwind before rank 0 gives up on it (its thread is a daemon).
 ABORT_GRACE_S = 30.0
+# What the driver allows a rank beyond its own bounded waits (the Ray call, gathers) before it fails.
+_RANK_MARGIN_S = 60.0
 # The engine methods (engines.vllm_engine.VLLMEngine, behind runtimes.Host.call) the client calls.
 ENGINE_METHODS = {
     "init_weight_transfer_engine": "init_weight_transfer",
@@ -181,13 +183,25 @@ def send_with_watchdog(
 
 
 # ---- the weights, as vLLM's WeightSource ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """A tensor of the source (vLLM 0.23 has no `ParamMeta`): name, wire dtype, full shape."""
+
+    name: str
+    dtype: Any
+    shape: tuple[int, ...]
+
+
 @functools.cache
 def _source_class() -> type:
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
     from rljob_trainer.rollout import weight_sync
 
-    class EngineTensorsSource(WeightSource):  # type: ignore[misc]
+    try:  # vLLM 0.33: a WeightSource the trainer engines take; 0.23's static senders take an iterator
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    except ImportError:
+        ParamMeta, WeightSource = TensorMeta, object
+
+    class EngineTensorsSource(WeightSource):  # type: ignore[misc, valid-type]
         """The engine tensors of a sync, in the engine's dtype; every rank owns (iterates) each one."""
 
         def __init__(self, tensors: Tensors, dtype: Any) -> None:
@@ -468,7 +482,7 @@ def rank_results(
     """Every rank's result of a call whose engine waits the ranks bound themselves (`timeout_s` each,
     `engines` of them). A rank past that has hung: raise, saying so (a training rank cannot be dropped
     like an engine), rather than wait forever."""
-    limit = (timeout_s + ABORT_GRACE_S) * max(1, engines) + 60.0
+    limit = (timeout_s + ABORT_GRACE_S) * max(1, engines) + _RANK_MARGIN_S
     deadline = clock() + limit
     pending = list(futures)
     while pending:
