@@ -278,7 +278,9 @@ def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
         import vllm
     except ImportError:
         return None
-    version = str(getattr(vllm, "__version__", "unknown"))
+    if getattr(vllm, "__version__", None) is None:
+        return None  # a namespace package of that name (tests/vllm on the path), not vLLM
+    version = str(vllm.__version__)
     platform = "ascend" if importlib.util.find_spec("vllm_ascend") else "cuda"
     try:
         from vllm.config import WeightTransferConfig
