@@ -139,8 +139,7 @@ def test_an_engine_failing_mid_transfer_is_dropped_and_the_others_go_on(
     assert d.state.history[-1].lost_rollout_pods == [1]
     # The other engine took the new weights in the same sync.
     assert d.engines["dedicated-0"].version == d.weights_version == 1
-    rows = [d.step() for _ in range(2)]
-    assert [r["step"] for r in rows] == [2, 3]
+    assert d.step()["step"] == 2
     # Pod 1 is alive: a new engine joined with the current weights; the loss was reported once.
     assert "dedicated-1" in d.engines and d.engines["dedicated-1"].version == d.weights_version
     assert [p for r in d.state.history for p in r.lost_rollout_pods] == [1]

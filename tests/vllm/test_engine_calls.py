@@ -266,3 +266,24 @@ def test_lora_adapters_are_added_listed_and_removed_with_vllms_lora_request(spy:
     assert engine.adapter_version() is None
     engine.generate([[5]], base.SamplingSettings(max_tokens=1))
     assert spy.called("generate")[0]["lora_request"] == added[1]["lora_request"]
+
+
+def test_only_the_paths_whose_payload_vllm_cannot_msgpack_allow_pickle(monkeypatch: Any) -> None:
+    """vLLM's engine-core channel refuses a torch.dtype or a class (what CUDA IPC handles carry) and a
+    Python callable unless VLLM_ALLOW_INSECURE_SERIALIZATION is set; NCCL's update info is plain."""
+    import torch
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from rljob_trainer.rollout import weight_sync as ws
+
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    MsgpackEncoder().encode({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]})
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        MsgpackEncoder().encode({"ipc_handles": [{"uuid": (torch.Tensor, torch.bfloat16)}]})
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    MsgpackEncoder().encode({"ipc_handles": [{"uuid": (torch.Tensor, torch.bfloat16)}]})
+    choice = ws.WeightTransferChoice
+    assert vllm_engine.needs_pickle(choice(ws.PATH_VLLM_NATIVE, "ipc", ""))
+    assert vllm_engine.needs_pickle(choice(ws.PATH_COLLECTIVE_RPC, "object-store", ""))
+    assert not vllm_engine.needs_pickle(choice(ws.PATH_VLLM_NATIVE, "nccl", ""))
+    assert not vllm_engine.needs_pickle(choice(ws.PATH_VLLM_LORA, "object-store", ""))

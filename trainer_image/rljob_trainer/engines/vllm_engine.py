@@ -31,7 +31,8 @@ a colocated one; rank 0 drives `init_weight_transfer` / `start_weight_update` /
 `receive_weight_update` / `finish_weight_update` here through `rollout.vllm_transfer`, each bounded
 by rollout.engineTimeoutS), or the named fallback `update_weights` (a whole-model dict through the
 object store, loaded by `collective_rpc`: vLLM documents collective_rpc for control messages, so the
-driver logs this path as a warning; only it needs `VLLM_ALLOW_INSECURE_SERIALIZATION`, set for it alone).
+driver logs this path as a warning). `VLLM_ALLOW_INSECURE_SERIALIZATION` is set only where vLLM's
+engine-core channel must pickle (`needs_pickle`: that fallback's callable, IPC handles).
 
 With `rollout.engineLora` (model.finetune lora) the engine serves base + the trainer's adapter: built
 with `enable_lora=True`, `max_loras=1` and `max_lora_rank` the trainer's rank rounded up to a value
@@ -139,6 +140,18 @@ def sampling_kwargs(sampling: base.SamplingSettings, seed: int) -> dict[str, Any
     }
 
 
+def needs_pickle(transfer: Any) -> bool:
+    """Whether this engine's weight path sends what vLLM's msgpack channel to its engine core refuses
+    without VLLM_ALLOW_INSECURE_SERIALIZATION: a Python callable (the collective_rpc fallback) or CUDA
+    IPC handles (classes and dtypes in `reduce_tensor`'s rebuild arguments). Both stay inside the
+    engine's own processes; no other engine allows pickle."""
+    from rljob_trainer.rollout import weight_sync
+
+    if transfer.path == weight_sync.PATH_COLLECTIVE_RPC:
+        return True
+    return transfer.path == weight_sync.PATH_VLLM_NATIVE and transfer.backend == "ipc"
+
+
 class EngineCallTimeout(RuntimeError):
     """A call into vLLM did not finish within rollout.engineTimeoutS."""
 
@@ -234,9 +247,7 @@ class VLLMEngine(base.RolloutEngine):
         from rljob_trainer.rollout import weight_sync
 
         transfer = self.weight_transfer
-        if transfer.path == weight_sync.PATH_COLLECTIVE_RPC:
-            # collective_rpc with a Python callable needs pickled functions across vLLM's processes;
-            # no other path sends code, so no other engine allows it.
+        if needs_pickle(transfer):
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         kwargs = engine_args(
             self._cfg,
