@@ -30,7 +30,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/uv pip install --quiet --python .venv/bin/python --require-hashes -r "$lock"
   # The dependencies are all in the lock: a package missing from it is an error, not a new download.
   .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
-  .venv/bin/uv pip check --python .venv/bin/python >&2
+  .venv/bin/uv pip check --python .venv/bin/python >&2 || {
+    echo "bootstrap: .venv holds packages from before the lock that conflict with it:" \
+      "rm -rf .venv && make setup" >&2
+    exit 1
+  }
   echo "$want" > "$stamp"
 fi
 
