@@ -5,7 +5,7 @@
 #   .venv-vllm-ascend/  the Ascend image's vLLM: vllm 0.23.0 built from its sdist with
 #                       VLLM_TARGET_DEVICE=empty and torch 2.10.0, as trainer_image/locks/ascend.txt
 #                       pins them (~7 GB). vllm-ascend itself has no wheel and its sdist needs the CANN
-#                       toolkit to build, so tests/vllm/test_ascend_static.py reads its source instead
+#                       toolkit to build, so tests/conformance/test_vllm_ascend_static.py reads its source instead
 #                       (the sdist the lock hash-pins, extracted under .venv-vllm-ascend/src/).
 # Each venv is rebuilt only when its lock changes. Set RLJOB_VLLM_TIERS=cuda to skip the Ascend one.
 # Extra arguments go to pytest.
@@ -34,7 +34,8 @@ python312() {  # the images' Python (3.12)
 
 # The test tools at the test lock's versions (they are not part of an image).
 test_tools() {
-  grep -E '^(pytest|pytest-timeout|pluggy|iniconfig|packaging)==' "$LOCKS/test.txt" | sed 's/ *\\$//'
+  grep -E '^(pytest|pytest-timeout|pluggy|iniconfig|packaging|hypothesis|sortedcontainers)==' \
+    "$LOCKS/test.txt" | sed 's/ *\\$//'
 }
 
 build_venv() {  # build_venv DIR LOCK: DIR from LOCK, rebuilt when the lock or pyproject changes
@@ -100,9 +101,13 @@ for tier in $TIERS; do
   esac
   build_venv "$dir" "$lock"
   [ "$tier" = ascend ] && ascend_source
-  echo "==> tests/vllm against $dir" >&2
-  # Only tests/vllm's conftest: the suite's own (the local control plane) is not in these venvs.
-  RLJOB_VLLM_TIER=$tier "$dir/bin/python" -m pytest tests/vllm --confcutdir tests/vllm -p no:cacheprovider \
+  # The estimator's KV-cache arithmetic against vLLM's own (a unit test that skips without vLLM).
+  extra=()
+  [ "$tier" = cuda ] && extra=(tests/unit/test_estimator_rollout.py::test_kv_spec_matches_vllm_arithmetic)
+  echo "==> tests/conformance against $dir" >&2
+  # Only tests/conformance's conftest: the suite's own (the local control plane) is not in these venvs.
+  RLJOB_VLLM_TIER=$tier "$dir/bin/python" -m pytest tests/conformance ${extra[@]+"${extra[@]}"} \
+    --confcutdir tests/conformance -p no:cacheprovider \
     -p no:xdist -q "$@" || rc=1
 done
 exit $rc

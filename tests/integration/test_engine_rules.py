@@ -1,8 +1,8 @@
 """vLLM's sleep and weight rules in the CPU engine, and the driver's one engine order that obeys them.
 
 The rules mirror vLLM 0.33.0 (`engines.base.MIRRORS_VLLM`, the CUDA image's pin), as read from its
-source: tests/vllm/test_sleep_rules_mirror.py runs that release's own executor sleep/wake logic and
-reads its worker's, and checks the pin is the release mirrored (`make test-vllm`). There, a weight
+source: tests/conformance/test_vllm_sleep_rules_mirror.py runs that release's own executor sleep/wake
+logic and reads its worker's, and checks the pin is the release mirrored (`make test-vllm`). There, a weight
 load into sleeping weights is not refused but corrupts them: the engines here refuse it first.
 
 A weight load must not happen while the weights sleep, vLLM discards weights at sleep level 2, wakes in

@@ -1,6 +1,6 @@
 """The timeout and failure rules of `rollout.vllm_transfer` (the trainer side of vLLM's weight
 transfer), with stand-in engines and senders: no vLLM, no GPU. What vLLM itself takes is checked by
-the conformance tier (tests/vllm/)."""
+the conformance tier (tests/conformance/)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 
 from rljob_trainer.rollout import weight_sync as ws
 
-# What `detect_vllm_weight_transfer` reports for the pinned releases (tests/vllm checks it on the real
+# What `detect_vllm_weight_transfer` reports for the pinned releases (tests/conformance checks it on the
 # packages): 0.33.0 (CUDA image), 0.23.0 with vllm-ascend (Ascend image); then older and unknown ones.
 NEW = ws.VLLMWeightTransferAPI("0.33.0", frozenset({"nccl", "ipc"}), ws.GEN_TRAINER_ENGINES)
 ASCEND = ws.VLLMWeightTransferAPI("0.23.0", frozenset({"nccl", "ipc"}), ws.GEN_STATIC_SENDER, "ascend")
@@ -82,7 +82,7 @@ def test_detection_without_vllm_installed_is_none() -> None:
         import vllm
     except ImportError:
         vllm = None
-    if getattr(vllm, "__version__", None) is None:  # not installed (tests/vllm is no vLLM)
+    if getattr(vllm, "__version__", None) is None:  # not installed (or a namespace package)
         assert ws.detect_vllm_weight_transfer() is None
     else:  # a machine with vLLM: the probe reports its version and what it found
         api = ws.detect_vllm_weight_transfer()

@@ -44,7 +44,7 @@ silent loss). Level-2 sleep is refused for such an engine (config load refuses i
 base weights rljob cannot reload into vLLM's LoRA layers (named `<module>.base_layer.weight`).
 
 NOT RUN in this repository's tests: no GPU. `make test-vllm` checks every call here against the
-installed vLLM (tests/vllm/: each AsyncLLM method bound to its real signature with the exact
+installed vLLM (tests/conformance/: each AsyncLLM method bound to its real signature with the exact
 arguments passed, `AsyncEngineArgs(**engine_args(...))`, `SamplingParams`, `LoRARequest`,
 `WeightTransferConfig`, the request dataclasses), and the adapter directory loads with real peft onto
 the base and computes the trainer's logits (tests/integration/test_vllm_lora_adapter.py).
@@ -100,7 +100,8 @@ def engine_args(
     tp_workers_in_placement_group: bool = False,
 ) -> dict[str, Any]:
     """The `vllm.AsyncEngineArgs` keywords of one engine (plain values; `WeightTransferConfig` is
-    built from `weight_transfer_backend` at load). Pure: tests/vllm builds `AsyncEngineArgs` from it."""
+    built from `weight_transfer_backend` at load). Pure: tests/conformance builds `AsyncEngineArgs`
+    from it."""
     r, lengths = cfg.rollout, cfg.lengths
     args: dict[str, Any] = {
         "model": model,

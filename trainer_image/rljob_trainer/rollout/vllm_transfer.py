@@ -26,7 +26,7 @@ for dedicated engines and IPC for colocated ones, driven from the trainer ranks:
   abort: there the engine is reported failed after the timeout, and a blocked stream stays blocked.)
 
 NOT RUN here (no GPU): the calls are checked against the installed vLLM by `make test-vllm`
-(tests/vllm/); the timeout and failure logic is unit-tested with stand-in senders.
+(tests/conformance/); the timeout and failure logic is unit-tested with stand-in senders.
 Callers: `rljob_trainer.runtimes.Host` (the `vllm_transfer_*` methods), tests.
 """
 

@@ -279,7 +279,7 @@ def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
     except ImportError:
         return None
     if getattr(vllm, "__version__", None) is None:
-        return None  # a namespace package of that name (tests/vllm on the path), not vLLM
+        return None  # a namespace package of that name, not an installed vLLM
     version = str(vllm.__version__)
     platform = "ascend" if importlib.util.find_spec("vllm_ascend") else "cuda"
     try:

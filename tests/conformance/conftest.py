@@ -21,8 +21,8 @@ try:
     import vllm as _installed
 except ImportError:
     _installed = None
-# The main suite's .venv has no vLLM (there `import vllm` finds only this folder, a namespace package,
-# since tests/ is on the path): `make test-vllm` runs this tier, in the image locks' venvs.
+# The main suite's .venv has no vLLM: `make test-vllm` runs this tier, in the image locks' venvs. (The
+# folder is not named `vllm`: with tests/ on the path it would be a namespace package of that name.)
 if getattr(_installed, "__version__", None) is None:
     collect_ignore_glob = ["test_*.py"]
 
