@@ -1,5 +1,5 @@
 # The README's two commands are `make demo` and `make test`; both set up everything they need.
-.PHONY: demo test test-fast setup cluster-up cluster-down crd bench
+.PHONY: demo test test-fast setup cluster-up cluster-down crd bench lock test-vllm audit
 
 demo:
 	scripts/demo.sh
@@ -22,6 +22,18 @@ cluster-down:
 
 crd:
 	.venv/bin/rljob crd
+
+# One lock per image and one for the tests (trainer_image/locks/); `scripts/lock.sh --check` in CI.
+lock: setup
+	scripts/lock.sh
+
+# vLLM conformance tier: every vLLM call rljob makes, checked against the images' real vLLM releases.
+test-vllm: setup
+	scripts/test_vllm.sh
+
+# Known vulnerabilities in the image locks and the test environment (trainer_image/locks/audit-allow.txt).
+audit: setup
+	scripts/audit.sh
 
 bench: setup
 	.venv/bin/python bench/dp_balance.py

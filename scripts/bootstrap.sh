@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything rljob needs on a fresh machine, idempotently:
-#   .venv/ at the repository root with the rljob distribution (operator, trainer, dev extras),
+#   .venv/ at the repository root with the rljob distribution (operator, trainer, dev extras), every
+#   package at the version trainer_image/locks/test.txt pins (hash-checked): the CUDA image's lock's
+#   versions wherever the two share a package (torch, transformers, peft, ray; `make lock`),
 #   and the local control plane's binaries, built from the Kubernetes Go modules and cached in
 #   ${RLJOB_CACHE_DIR:-~/.cache/rljob} (keyed by go.mod/go.sum, so a warm run takes seconds).
 set -euo pipefail
@@ -21,10 +23,18 @@ if [ ! -x .venv/bin/uv ]; then
 fi
 
 stamp=.venv/.rljob-installed
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+lock=trainer_image/locks/test.txt
+want=$(cat pyproject.toml "$lock" | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "==> installing rljob[operator,trainer,tracking,dev] into .venv" >&2
-  .venv/bin/uv pip install --quiet --python .venv/bin/python -e ".[operator,trainer,tracking,dev]"
+  echo "==> installing $lock, then rljob[operator,trainer,tracking,dev] into .venv" >&2
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --require-hashes -r "$lock"
+  # The dependencies are all in the lock: a package missing from it is an error, not a new download.
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+  .venv/bin/uv pip check --python .venv/bin/python >&2 || {
+    echo "bootstrap: .venv holds packages from before the lock that conflict with it:" \
+      "rm -rf .venv && make setup" >&2
+    exit 1
+  }
   echo "$want" > "$stamp"
 fi
 

@@ -1,6 +1,11 @@
 """vLLM's sleep and weight rules in the CPU engine, and the driver's one engine order that obeys them.
 
-vLLM refuses a weight load while the weights sleep, discards weights at sleep level 2, wakes in
+The rules mirror vLLM 0.33.0 (`engines.base.MIRRORS_VLLM`, the CUDA image's pin), as read from its
+source: tests/conformance/test_vllm_sleep_rules_mirror.py runs that release's own executor sleep/wake
+logic and reads its worker's, and checks the pin is the release mirrored (`make test-vllm`). There, a weight
+load into sleeping weights is not refused but corrupts them: the engines here refuse it first.
+
+A weight load must not happen while the weights sleep, vLLM discards weights at sleep level 2, wakes in
 parts (`wake_up(tags=["weights"])`, load, `wake_up(tags=["kv_cache"])`) and refuses `sleep()` without
 sleep mode. The CPU engine follows the same rules (`engines.base.SleepState`), so a driver that
 breaks them fails here as it would on a GPU. Its log-probs are the ones it sampled with (after
@@ -39,6 +44,10 @@ def _prompts(cfg):
 
 def _weights(engine):
     return {k: v.clone() for k, v in engine.model.state_dict().items()}
+
+
+def test_these_rules_mirror_the_pinned_vllm():
+    assert base.MIRRORS_VLLM == "0.33.0"
 
 
 def test_update_while_asleep_is_refused_and_level_1_keeps_weights():

@@ -159,16 +159,24 @@ def test_each_adapter_version_gets_a_new_id_and_a_retired_one_is_deleted() -> No
     assert not store.root.exists()
 
 
-def test_the_driver_sends_a_vllm_lora_engine_only_the_adapter_never_full_weights() -> None:
+def test_the_driver_sends_a_vllm_lora_engine_only_the_adapter_never_full_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rljob_trainer.rollout import engine_sync
+
     cfg = _cfg(LORAS[0])
     d = driver.GRPODriver(cfg, driver.LocalRuntime(cfg))
     name = "dedicated-0"
     d.engines[name] = pipeline.EngineState(name, None, False, 0)
     d.weight_transfer[name] = d._transfer_choice(colocated=False)
     assert d.weight_transfer[name].path == weight_sync.PATH_VLLM_LORA
-    assert d._what_to_send(name) == weight_sync.SEND_ADAPTER
+    assert engine_sync.what_to_send(d, name) == weight_sync.SEND_ADAPTER
     sent: list[tuple[list[str], str]] = []
-    d._send_weights = lambda names, version, what: sent.append((list(names), what))  # type: ignore[method-assign]
-    d._update_vllm_native = lambda *a: pytest.fail("full weights through vLLM's transfer API")  # type: ignore[method-assign]
+    monkeypatch.setattr(
+        engine_sync, "send_weights", lambda d, names, version, what: sent.append((list(names), what))
+    )
+    monkeypatch.setattr(
+        engine_sync, "update_vllm_native", lambda *a: pytest.fail("full weights through vLLM's transfer API")
+    )
     d._update_engine_weights([name])
     assert sent == [([name], weight_sync.SEND_ADAPTER)]

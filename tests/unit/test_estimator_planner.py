@@ -184,6 +184,15 @@ def test_json_contract_keys_and_table() -> None:
     assert str(plan.kv_cache_tokens) in table.replace(",", "")
 
 
+def test_the_plan_table_states_the_memory_order_it_assumes() -> None:
+    """Shared engines start first: vLLM reserves gpu_memory_utilization x the device at start and
+    refuses to start with less free, so the plan assumes the trainer loads after they sleep."""
+    shared = format_plan_table(plan_resources(seed_request(mode="adaptive")))
+    assert "memoryOrder" in shared and "engines first" in shared and "then sleep" in shared
+    dedicated = format_plan_table(plan_resources(seed_request()))
+    assert next(line for line in dedicated.splitlines() if line.startswith("memoryOrder")).split()[1] == "-"
+
+
 def test_catalog_merge_and_aliases() -> None:
     assert get_device("h100").name == "H100-80GB"
     assert get_device("Ascend910B3").resource_name == "huawei.com/Ascend910"

@@ -7,10 +7,13 @@ import pytest
 
 from rljob_trainer.rollout import weight_sync as ws
 
-NEW = ws.VLLMWeightTransferAPI("0.22.1", frozenset({"nccl", "ipc"}), static_trainer=True)
-NCCL_ONLY = ws.VLLMWeightTransferAPI("0.17.0", frozenset({"nccl"}), static_trainer=True)
+# What `detect_vllm_weight_transfer` reports for the pinned releases (tests/conformance checks it on the
+# packages): 0.33.0 (CUDA image), 0.23.0 with vllm-ascend (Ascend image); then older and unknown ones.
+NEW = ws.VLLMWeightTransferAPI("0.33.0", frozenset({"nccl", "ipc"}), ws.GEN_TRAINER_ENGINES)
+ASCEND = ws.VLLMWeightTransferAPI("0.23.0", frozenset({"nccl", "ipc"}), ws.GEN_STATIC_SENDER, "ascend")
+NCCL_ONLY = ws.VLLMWeightTransferAPI("0.17.0", frozenset({"nccl"}), ws.GEN_STATIC_SENDER)
 NO_API = ws.VLLMWeightTransferAPI("0.11.0")
-FACTORY_ONLY = ws.VLLMWeightTransferAPI("0.29.0", frozenset({"nccl", "ipc"}), static_trainer=False)
+UNKNOWN_SENDER = ws.VLLMWeightTransferAPI("0.40.0", frozenset({"nccl", "ipc"}), None)
 
 
 def _choose(colocated: bool, vllm: ws.VLLMWeightTransferAPI | None, **kw: object) -> ws.WeightTransferChoice:
@@ -23,7 +26,19 @@ def test_vllm_with_the_api_uses_nccl_for_dedicated_and_ipc_for_colocated_engines
     dedicated, colocated = _choose(False, NEW), _choose(True, NEW)
     assert (dedicated.path, dedicated.backend) == (ws.PATH_VLLM_NATIVE, "nccl")
     assert (colocated.path, colocated.backend) == (ws.PATH_VLLM_NATIVE, "ipc")
-    assert "0.22.1" in dedicated.reason and "dedicated" in dedicated.reason
+    assert "0.33.0" in dedicated.reason and "dedicated" in dedicated.reason
+    assert dedicated.generation == colocated.generation == ws.GEN_TRAINER_ENGINES
+    assert not dedicated.fallback
+
+
+def test_the_ascend_pin_gets_the_static_sender_on_its_platform() -> None:
+    choice = _choose(False, ASCEND)
+    assert (choice.path, choice.backend, choice.generation, choice.platform) == (
+        ws.PATH_VLLM_NATIVE,
+        "nccl",
+        ws.GEN_STATIC_SENDER,
+        "ascend",
+    )
 
 
 @pytest.mark.parametrize(
@@ -32,14 +47,14 @@ def test_vllm_with_the_api_uses_nccl_for_dedicated_and_ipc_for_colocated_engines
         (None, False, "not installed"),
         (NO_API, False, "no WeightTransferConfig"),
         (NCCL_ONLY, True, "no 'ipc' backend"),
-        (FACTORY_ONLY, False, "does not speak"),
+        (UNKNOWN_SENDER, False, "not one rljob speaks"),
     ],
 )
 def test_without_a_usable_api_vllm_engines_keep_the_collective_rpc_path(
     vllm: ws.VLLMWeightTransferAPI | None, colocated: bool, reason: str
 ) -> None:
     choice = _choose(colocated, vllm)
-    assert choice.path == ws.PATH_COLLECTIVE_RPC and reason in choice.reason
+    assert choice.path == ws.PATH_COLLECTIVE_RPC and reason in choice.reason and choice.fallback
 
 
 def test_an_nccl_only_vllm_still_gives_dedicated_engines_nccl() -> None:
@@ -64,8 +79,10 @@ def test_transformers_engines_use_our_group_on_ray_and_the_object_store_in_proce
 def test_detection_without_vllm_installed_is_none() -> None:
     pytest.importorskip("torch")
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError:
+        vllm = None
+    if getattr(vllm, "__version__", None) is None:  # not installed (or a namespace package)
         assert ws.detect_vllm_weight_transfer() is None
     else:  # a machine with vLLM: the probe reports its version and what it found
         api = ws.detect_vllm_weight_transfer()
@@ -146,7 +163,7 @@ def test_a_vllm_lora_engine_gets_the_smallest_max_lora_rank_vllm_accepts(rank: i
 
 
 @pytest.mark.parametrize("colocated", [False, True])
-@pytest.mark.parametrize("vllm", [NEW, NCCL_ONLY, NO_API, FACTORY_ONLY, None])
+@pytest.mark.parametrize("vllm", [NEW, ASCEND, NCCL_ONLY, NO_API, UNKNOWN_SENDER, None])
 def test_a_vllm_engine_serving_lora_takes_the_adapter_path_over_vllms_full_weight_transfer(
     colocated: bool, vllm: ws.VLLMWeightTransferAPI | None
 ) -> None:

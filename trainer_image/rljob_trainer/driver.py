@@ -47,7 +47,8 @@ from rljob_trainer import (
     trainer,
 )
 from rljob_trainer import config as config_mod
-from rljob_trainer.rollout import buffer, dispatcher, pipeline, weight_sync
+from rljob_trainer.engines import base as engine_base
+from rljob_trainer.rollout import buffer, dispatcher, engine_sync, pipeline, weight_sync
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -167,10 +168,18 @@ class GRPODriver:
         world = self.cfg.distributed.num_trainer_ranks
         self.ranks = self.rt.create_ranks(world)
         addr, port = self.rt.get(self.rt.submit(self.ranks[0], "node_address"))
+        # Memory order: shared engines start while their accelerators are empty (vLLM reserves
+        # gpu_memory_utilization x the device at start, and refuses to start with less free), then
+        # sleep; the ranks load model, optimizer and reference into what the sleep freed.
+        shared = [f"shared-{i}" for i in range(self.cfg.rollout.shared_engines)]
+        for name in shared:
+            self._start_engine(name, colocated=True, pod_index=None)
+        self.sleep_shared_engines()
         infos = self.rt.get([self.rt.submit(r, "setup", addr, port) for r in self.ranks])
         log.info("training ranks ready: %s", infos)
-        for i in range(self.cfg.rollout.shared_engines):
-            self._add_engine(f"shared-{i}", colocated=True, pod_index=None)
+        for name in shared:  # their weight channels need the ranks' models
+            if name in self.engines:
+                self._join_engine(name)
         self._resume()
         self.pipeline.start_at(self.state.sampler, self.state.step + 1)
         self.reconcile_dedicated()
@@ -230,14 +239,27 @@ class GRPODriver:
         )
 
     def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
+        self._start_engine(name, colocated=colocated, pod_index=pod_index)
+        self._join_engine(name)
+
+    def _start_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
+        """Create engine `name` and load it (vLLM reserves its memory here)."""
         handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
         self.engines[name] = pipeline.EngineState(name, handle, colocated, pod_index)
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
         self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
+
+    def _join_engine(self, name: str) -> None:
+        """Open a started engine's weight channel and hand it to the dispatcher."""
+        if name not in self.engines:
+            raise EngineLost(f"engine {name} was lost while it started")
+        colocated, pod_index = self.engines[name].colocated, self.engines[name].pod_index
         choice = self._transfer_choice(colocated=colocated)
         if choice not in self.weight_transfer.values():  # once per kind of engine and path
-            log.info(
+            # A fallback path (collective_rpc: vLLM documents it for control messages) is a warning.
+            log.log(
+                logging.WARNING if choice.fallback and self.cfg.rollout.kind == "vllm" else logging.INFO,
                 "weight transfer to %s engines: %s, backend %s (%s)",
                 "colocated" if colocated else "dedicated",
                 choice.path,
@@ -245,47 +267,14 @@ class GRPODriver:
                 choice.reason,
             )
         self.weight_transfer[name] = choice
-        if name in self.engines and choice.path == weight_sync.PATH_COLLECTIVE:
-            self._join_weight_group(name)
-        elif name in self.engines and choice.path == weight_sync.PATH_VLLM_NATIVE:
-            self._join_vllm_transfer(name, choice.backend)
+        engine_sync.join(self, name, choice)
         if name not in self.engines:
             raise EngineLost(f"engine {name} was lost while it started")
-        self.dispatcher.set_engine(name, awake=True, capacity=self.cfg.rollout.max_num_seqs)
+        awake = self.engines[name].awake  # a shared engine started asleep (setup's memory order)
+        self.dispatcher.set_engine(name, awake=awake, capacity=self.cfg.rollout.max_num_seqs)
         if pod_index is not None:
             self._released_pods.discard(pod_index)
         log.info("engine %s up (colocated=%s, pod=%s)", name, colocated, pod_index)
-
-    def _join_weight_group(self, name: str) -> None:
-        """Open engine `name`'s own weight group with trainer rank 0 (both sides block until joined)."""
-        r = self.cfg.rollout
-        device, _ = trainer.resolve_device_and_backend(self.cfg.distributed)
-        backend = weight_sync.backend_for_device(device)
-        timeout = r.engine_timeout_s
-        address = self.rt.get(self.rt.submit(self.ranks[0], "weight_group_create", name, backend, timeout))
-        rank_side = self.rt.submit(self.ranks[0], "weight_group_open", address, 0)
-        self._settle(
-            {name: self.rt.submit(self.engines[name].handle, "weight_group_open", address, 1)},
-            what="weight group",
-        )
-        if name in self.engines:
-            self.rt.get(rank_side)
-
-    def _join_vllm_transfer(self, name: str, backend: str) -> None:
-        """vLLM's weight-transfer channel of engine `name`: an nccl group with trainer rank 0 (both
-        sides block until joined), or nothing to open for ipc. NOT RUN here (no GPU, no vLLM)."""
-        handle = self.engines[name].handle
-        if backend == "ipc":
-            self._settle({name: self.rt.submit(handle, "init_weight_transfer", {})}, what="weight transfer")
-            return
-        world = 1 + int(self.rt.get(self.rt.submit(handle, "world_size")))
-        host, port = self.rt.get(self.rt.submit(self.ranks[0], "vllm_transfer_address"))
-        info = {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": world}
-        engine_side = self.rt.submit(handle, "init_weight_transfer", info)
-        rank_side = self.rt.submit(self.ranks[0], "vllm_transfer_open", name, host, port, world)
-        self._settle({name: engine_side}, what="weight transfer")
-        if name in self.engines:
-            self.rt.get(rank_side)
 
     def drop_engine(self, name: str, *, lost: bool = False) -> None:
         """Drop an engine: its queued and in-flight requests go back to the queue, its calls are
@@ -294,8 +283,11 @@ class GRPODriver:
         self.dispatcher.remove_engine(name)
         self.pipeline.forget_engine(name)
         choice = self.weight_transfer.get(name)
-        if choice is not None and choice.path in (weight_sync.PATH_COLLECTIVE, weight_sync.PATH_VLLM_NATIVE):
+        if choice is not None and choice.path == weight_sync.PATH_COLLECTIVE:
             self.rt.submit(self.ranks[0], "weight_group_close", name)  # queued behind the rank's work
+        elif choice is not None and choice.path == weight_sync.PATH_VLLM_NATIVE:
+            for r in self.ranks:  # every rank holds an end of a vLLM channel
+                self.rt.submit(r, "vllm_transfer_close", name)
         try:
             self.rt.kill(eng.handle)
         except Exception as e:  # already gone with its node
@@ -305,11 +297,17 @@ class GRPODriver:
         log.info("engine %s %s", name, "lost" if lost else "dropped")
 
     def _settle(
-        self, futures: dict[str, Any], *, what: str, timeout_s: float | None = None
+        self,
+        futures: dict[str, Any],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+        drop_on_error: bool = False,
     ) -> dict[str, Any]:
         """Results of one call per engine; an engine that died or did not answer within `timeout_s`
         (default rollout.engineTimeoutS) is dropped as lost (absent from the result), never failing
-        the job."""
+        the job. With `drop_on_error` (weight transfers) so is one whose call raised, unless it broke
+        a sleep rule (`base.EngineStateError`: a driver bug, raised)."""
         out: dict[str, Any] = {}
         timeout = self.cfg.rollout.engine_timeout_s if timeout_s is None else timeout_s
         deadline = self.clock() + timeout
@@ -331,6 +329,14 @@ class GRPODriver:
                     out[name] = self.rt.get(fut)
                 except lost as e:
                     log.warning("engine %s: %s failed, the engine is gone: %s", name, what, e)
+                    if name in self.engines:
+                        self.drop_engine(name, lost=True)
+                except engine_base.EngineStateError:
+                    raise
+                except Exception as e:
+                    if not drop_on_error:
+                        raise
+                    log.warning("engine %s: %s failed, the engine is dropped: %s", name, what, e)
                     if name in self.engines:
                         self.drop_engine(name, lost=True)
         return out
@@ -392,6 +398,8 @@ class GRPODriver:
         waking = [n for n in sorted(serving) if self.engines[n].asleep]
         if waking:
             self.rt.get([self.rt.submit(self.engines[n].handle, "wake", ["weights"]) for n in waking])
+            if self.cfg.rollout.engine_lora:
+                engine_sync.readd_lost_adapters(self, waking)
         stale = [n for n in sorted(serving) if self.engines[n].version != self.weights_version]
         if stale:
             self._update_engine_weights(stale)
@@ -422,7 +430,7 @@ class GRPODriver:
         for n in sleeping:
             self.engines[n].asleep = True
             if level == 2:
-                self.engines[n].version = -1  # discarded: reloaded when it wakes, whatever the version
+                self.engines[n].version = engine_sync.DISCARDED  # reloaded when it wakes
 
     def _sync_awake_engines(self) -> None:
         """Right after training: the new weights into every engine that is not asleep (or draining).
@@ -484,83 +492,8 @@ class GRPODriver:
         self._weights = (key, weights)
         return weights
 
-    def _what_to_send(self, name: str) -> str:
-        """Engines serving LoRA (rollout.engineLora) take only the adapter while their base is intact,
-        base and adapter once a level-2 sleep discarded it; other engines the merged model."""
-        if not self.cfg.rollout.engine_lora:
-            return weight_sync.SEND_MERGED
-        discarded = self.engines[name].version < 0
-        return weight_sync.SEND_BASE_AND_ADAPTER if discarded else weight_sync.SEND_ADAPTER
-
     def _update_engine_weights(self, names: Sequence[str]) -> None:
-        """The current weights into `names`: over each engine's weight group (the default), or as one
-        whole-model dict through the object store (rollout.weightSync object-store, vLLM, local mode).
-        An engine that fails or hangs is dropped as lost; the others carry on."""
-        version = self.weights_version
-        native = [
-            n
-            for n in names
-            if self.weight_transfer.get(n) and self.weight_transfer[n].path == weight_sync.PATH_VLLM_NATIVE
-        ]
-        if native:
-            self._update_vllm_native(native, version)
-        by_what: dict[str, list[str]] = {}
-        for n in names:
-            if n not in native:
-                by_what.setdefault(self._what_to_send(n), []).append(n)
-        for what, group in sorted(by_what.items()):
-            self._send_weights(group, version, what)
-
-    def _send_weights(self, names: Sequence[str], version: int, what: str) -> None:
-        if self._collective:
-            receiving = {n: self.rt.submit(self.engines[n].handle, "receive_engine_weights") for n in names}
-            sends = [self.rt.submit(r, "send_engine_weights", version, list(names), what) for r in self.ranks]
-            failed = self.rt.get(sends)[0]
-            for name, error in failed.items():
-                log.warning("weight sync to %s failed: %s", name, error)
-            done = self._settle(receiving, what="weight sync")
-            for name in failed:
-                if name in self.engines:
-                    self.drop_engine(name, lost=True)
-        else:
-            weights = self._current_weights(what)
-            done = self._settle(
-                {
-                    n: self.rt.submit(self.engines[n].handle, "update_weights", weights, version)
-                    for n in names
-                },
-                what="weight sync",
-            )
-        for n in done:
-            if n in self.engines:
-                self.engines[n].version = version
-
-    def _update_vllm_native(self, names: Sequence[str], version: int) -> None:
-        """The current weights through vLLM's weight-transfer API: nccl engines receive while the ranks
-        broadcast; ipc engines are called by rank 0 with the handles. NOT RUN here (no GPU, no vLLM)."""
-        meta = self.rt.get(self.rt.submit(self.ranks[0], "engine_weight_metadata"))
-        nccl = [n for n in names if self.weight_transfer[n].backend == "nccl"]
-        receiving = {
-            n: self.rt.submit(
-                self.engines[n].handle, "receive_weight_transfer", {**meta, "packed": True}, version
-            )
-            for n in nccl
-        }
-        targets = {
-            n: (self.weight_transfer[n].backend, None if n in nccl else self.engines[n].handle) for n in names
-        }
-        failed = self.rt.get([self.rt.submit(r, "vllm_send_weights", version, targets) for r in self.ranks])[
-            0
-        ]
-        done = set(self._settle(receiving, what="weight sync")) | {n for n in names if n not in nccl}
-        for name, error in failed.items():
-            log.warning("weight transfer to %s failed: %s", name, error)
-            done.discard(name)
-            if name in self.engines:
-                self.drop_engine(name, lost=True)
-        for n in done:
-            if n in self.engines:
-                self.engines[n].version = version
+        engine_sync.update(self, names)
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:

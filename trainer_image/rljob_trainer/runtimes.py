@@ -51,6 +51,8 @@ class Host:
         self._cfg = cfg
         self._stores: dict[str, Any] = {}
         self._groups: dict[str, Any] = {}
+        self._vllm: dict[str, Any] = {}  # vLLM transfer sessions: engine name (nccl) or "ipc"
+        self._vllm_source: Any = None
 
     # Methods of the host itself (the weight groups it keeps beside its rank or engine).
     OWN_METHODS = frozenset(
@@ -60,10 +62,10 @@ class Host:
             "weight_group_close",
             "send_engine_weights",
             "receive_engine_weights",
-            "engine_weight_metadata",
             "vllm_transfer_address",
             "vllm_transfer_open",
-            "vllm_send_weights",
+            "vllm_transfer_send",
+            "vllm_transfer_close",
         }
     )
 
@@ -123,22 +125,8 @@ class Host:
             yield tensors, getattr(torch, self._cfg.model.dtype)
 
     # ---- vLLM's weight-transfer API, trainer side (weight_sync.PATH_VLLM_NATIVE) -----------------
-    # NOT RUN here (no GPU, no vLLM): follows vLLM's examples/rl/rlhf_nccl.py (commit 3a383407):
-    # `NCCLWeightTransferEngine.trainer_init` on trainer rank 0 while the engine runs
-    # `init_weight_transfer_engine`, then `trainer_send_weights` while it runs `update_weights`.
-    def engine_weight_metadata(self) -> dict[str, list[Any]]:
-        """names, dtype_names, shapes of what `vllm_send_weights` sends (vLLM's update_info)."""
-        from rljob_trainer.rollout import weight_sync
-
-        with self._engine_tensors() as (tensors, dtype):
-            return {
-                "names": [n for n, _ in tensors],
-                "dtype_names": [
-                    weight_sync._dtype_name(weight_sync._wire_dtype(t, dtype)) for _, t in tensors
-                ],
-                "shapes": [list(t.shape) for _, t in tensors],
-            }
-
+    # NOT RUN here (no GPU): rollout.vllm_transfer drives vLLM's own trainer engines (0.33) or static
+    # senders (0.23 / vllm-ascend) from every trainer rank; `make test-vllm` checks the calls.
     def vllm_transfer_address(self) -> tuple[str, int]:
         """Rank 0: an address and a free port for one engine's nccl weight-transfer group."""
         import socket
@@ -148,57 +136,101 @@ class Host:
             sock.bind((host, 0))
             return host, int(sock.getsockname()[1])
 
-    def vllm_transfer_open(self, name: str, host: str, port: int, world_size: int) -> None:
-        """Rank 0: open engine `name`'s nccl group (blocks until its workers join)."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    def _vllm_weights(self) -> Any:
+        """This rank's vLLM `WeightSource` over the merged engine tensors (one per rank, reused)."""
+        if self._vllm_source is None:
+            from rljob_trainer.rollout import vllm_transfer
 
-        self._groups[name] = NCCLWeightTransferEngine.trainer_init(
-            {"master_address": host, "master_port": port, "world_size": world_size}
-        )
+            def tensors() -> Any:
+                return self._engine_tensors_only()
 
-    def vllm_send_weights(self, version: int, engines: dict[str, tuple[str, Any]]) -> dict[str, str]:
-        """Every trainer rank: stream the engine tensors once per engine (FSDP gathers are collective);
-        rank 0 sends them, over nccl (`engines[name] = ("nccl", None)`) or as CUDA IPC handles to the
-        colocated engine's actor (`("ipc", handle)`). Returns {engine: error} of failed sends."""
-        from rljob_trainer.rollout import weight_sync
+            import torch
 
+            self._vllm_source = vllm_transfer.source(tensors, getattr(torch, self._cfg.model.dtype))
+        return self._vllm_source
+
+    @contextlib.contextmanager
+    def _engine_tensors_only(self) -> Iterator[list[tuple[str, Any]]]:
+        with self._engine_tensors() as (tensors, _):
+            yield tensors
+
+    def vllm_transfer_open(
+        self,
+        name: str,
+        backend: str,
+        handle: Any,
+        address: tuple[str, int] | None,
+        world_size: int,
+        generation: str,
+        platform: str,
+    ) -> str | None:
+        """Every trainer rank: open engine `name`'s channel (nccl: its own group, rank 0 the sender;
+        ipc: the one shared session, rank 0 does the handshake). Returns the error on rank 0."""
+        from rljob_trainer.rollout import vllm_transfer
+
+        timeout = self._cfg.rollout.engine_timeout_s
+        rank = self.obj.rank
+        try:
+            if backend == "nccl":
+                host, port = address or ("", 0)
+                self._vllm[name] = vllm_transfer.NCCLSession.open(
+                    name,
+                    handle,
+                    rank=rank,
+                    generation=generation,
+                    platform=platform,
+                    src=self._vllm_weights(),
+                    host=host,
+                    port=port,
+                    world_size=world_size,
+                    timeout_s=timeout,
+                )
+                return None
+            session = self._vllm.get("ipc")
+            if session is None:
+                session = self._vllm["ipc"] = vllm_transfer.IPCSession.open(
+                    rank=rank,
+                    generation=generation,
+                    platform=platform,
+                    src=self._vllm_weights(),
+                    timeout_s=timeout,
+                )
+            return session.add(name, handle) if rank == 0 else None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}" if rank == 0 else None
+
+    def vllm_transfer_send(self, version: int, names: dict[str, list[str]]) -> dict[str, str]:
+        """Every trainer rank, the same `names` ({"nccl": [...], "ipc": [...]}): one round of the current
+        weights. An engine without a session here is still iterated over (the FSDP gathers of every
+        rank line up). Returns {engine: error} of the engines that failed (rank 0)."""
         failed: dict[str, str] = {}
-        for name, (backend, handle) in engines.items():
-            with self._engine_tensors() as (tensors, dtype):
-                stream = ((n, weight_sync._materialize(t, dtype)) for n, t in tensors)
-                if self.obj.rank != 0:
-                    for _ in stream:
-                        pass
-                    continue
-                try:
-                    self._vllm_send(name, backend, handle, stream, version)
-                except Exception as exc:  # this engine only; the others go on
-                    failed[name] = f"{type(exc).__name__}: {exc}"
-        return failed
+        for name in sorted(names.get("nccl", ())):
+            session = self._vllm.get(name)
+            error = session.send(version) if session is not None else self._drain_vllm_weights(name)
+            if error is not None:
+                failed[name] = error
+        ipc = sorted(names.get("ipc", ()))
+        if ipc:
+            session = self._vllm.get("ipc")
+            if session is None:
+                failed.update({n: self._drain_vllm_weights(n) or "no ipc session" for n in ipc})
+            else:
+                failed.update(session.send(version, ipc))
+        return failed if self.obj.rank == 0 else {}
 
-    def _vllm_send(self, name: str, backend: str, handle: Any, stream: Any, version: int) -> None:
-        if backend == "nccl":
-            from vllm.distributed.weight_transfer.nccl_engine import (
-                NCCLTrainerSendWeightsArgs,
-                NCCLWeightTransferEngine,
-            )
+    def _drain_vllm_weights(self, name: str) -> str:
+        for _ in self._vllm_weights().iter_full():
+            pass
+        return f"no weight-transfer channel to {name} on this rank"
 
-            args = NCCLTrainerSendWeightsArgs(group=self._groups[name], packed=True)
-            NCCLWeightTransferEngine.trainer_send_weights(iterator=stream, trainer_args=args)
-            return
-        import dataclasses
-
-        import ray
-        from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerSendWeightsArgs,
-            IPCWeightTransferEngine,
-        )
-
-        def send(update_info: Any) -> None:  # the engine maps the handles while they are alive
-            info = dataclasses.asdict(update_info) if dataclasses.is_dataclass(update_info) else update_info
-            ray.get(handle.call.remote("receive_weight_transfer", info, version))
-
-        IPCWeightTransferEngine.trainer_send_weights(stream, IPCTrainerSendWeightsArgs(send_mode=send))
+    def vllm_transfer_close(self, name: str) -> None:
+        """Every trainer rank: forget engine `name` (its nccl group closed, or out of the ipc session)."""
+        session = self._vllm.pop(name, None)
+        if session is not None:
+            session.close()
+        ipc = self._vllm.get("ipc")
+        if ipc is not None:
+            ipc.remove(name)
 
     def receive_engine_weights(self) -> int:
         """Engine: receive one sync into the engine in place (under its sleep rules); returns the version."""

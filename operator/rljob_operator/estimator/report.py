@@ -95,6 +95,12 @@ def format_plan_table(plan: planner.ResourcePlan) -> str:
         ("rolloutAccelerators", str(p.rollout_accelerators), "dedicated engines x tensor parallel"),
         ("rolloutEngines", str(p.rollout_engines), "dedicated vLLM engines"),
         ("sharedEngines", str(p.shared_engines), "engines asleep on trainer accelerators"),
+        (
+            "memoryOrder",
+            "engines first" if p.shared_engines else "-",
+            "shared engines reserve gpu_memory_utilization x memory while it is free, then sleep; "
+            "the ranks then load model, optimizer and reference (sharded)",
+        ),
         ("idleAccelerators", str(p.idle_accelerators), "free for extra engines (adaptive scale-up)"),
         ("generationTimeS", f"{p.generation_time_s:.1f} s", "one step's generation (bandwidth-bound decode)"),
         ("trainingTimeS", f"{p.training_time_s:.1f} s", "one step's update (compute-bound at MFU)"),

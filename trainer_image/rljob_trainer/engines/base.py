@@ -34,7 +34,7 @@ class GenerationOutput:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" (a stop/eos token) or "length"
+    finish_reason: str  # "stop" (a stop/eos token), "length", or "abort" (vLLM: paused or aborted)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -43,6 +43,13 @@ class GenerationOutput:
 # the KV cache; `sleep(level=2)` discards both (weights must be reloaded); `wake_up(tags=["weights"])`
 # reallocates weights only, so an RL trainer can load new ones before `wake_up(tags=["kv_cache"])`;
 # `sleep()` needs `enable_sleep_mode=True`; weights cannot be loaded while they are asleep.
+# The release these rules are read from (the CUDA image's pin; tests/conformance/
+# test_vllm_sleep_rules_mirror.py runs vLLM's executor logic against them): its executor's sleep tags
+# are WAKE_TAGS; a second sleep is a no-op; a wake naming a tag that is awake wakes nothing; the engine
+# is fully awake (and schedules requests) only once every tag is; level 2 discards parameters and
+# keeps buffers; vLLM itself does not refuse a weight load into sleeping weights (it corrupts them),
+# so the rules here refuse first.
+MIRRORS_VLLM = "0.33.0"
 WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 
 
@@ -167,6 +174,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_report(self) -> EngineLoad:
         """Counters for logs and telemetry."""
+
+    def adapter_version(self) -> int | None:
+        """Engines serving LoRA (rollout.engineLora): the weights version of the adapter they serve
+        now, None when they serve none (never loaded, discarded, or lost across a sleep)."""
+        return None
 
     @property
     @abc.abstractmethod

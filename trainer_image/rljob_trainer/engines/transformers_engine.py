@@ -189,6 +189,14 @@ class TransformersEngine(base.RolloutEngine):
         self._version = self._version + 1 if version is None else int(version)
         return len(items)
 
+    def adapter_version(self) -> int | None:
+        """The weights version of the LoRA adapter this engine serves (None: it serves none, or its
+        weights were discarded by a level-2 sleep). Its adapter lives in the model, so unlike vLLM's
+        (issue 53888) a level-1 sleep never loses it; the driver asks both engines the same way."""
+        if not self.serves_lora or not self._state.weights_valid:
+            return None
+        return self._version
+
     def load_report(self) -> base.EngineLoad:
         return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)
 

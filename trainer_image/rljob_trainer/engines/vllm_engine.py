@@ -1,63 +1,77 @@
-"""vLLM rollout engine: the accelerator implementation of `base.RolloutEngine`.
+"""vLLM rollout engine: the accelerator implementation of `base.RolloutEngine`, on vLLM's `AsyncLLM`.
 
-Role: wrap `vllm.LLM` with sleep mode for engines colocated with training (`enable_sleep_mode=True`;
-`llm.sleep(level=2)` discards weights and KV cache, and the driver follows vLLM's RL order:
-`wake_up(tags=["weights"])`, load weights, `wake_up(tags=["kv_cache"])`), in-place weight sync
-(`llm.collective_rpc` runs `model.load_weights` on every worker; nothing is written to disk), and
-processed log-probs (`logprobs_mode="processed_logprobs"`: after temperature and top-p, what the
-sampler drew from). The rules are `base.SleepState`, shared with the CPU engine. vLLM is imported
-lazily, so the module imports on machines without it. Callers: `rljob_trainer.engines.build_engine`
-inside a Ray actor on an accelerator pod.
+Role: one `vllm.v1.engine.async_llm.AsyncLLM` per engine actor, on a private asyncio loop in a daemon
+thread; each method submits a coroutine to it and waits (so several calls may be in flight at once:
+a `generate` and, from another thread, `pause_generation`). Callers: `engines.build_engine` inside a
+Ray actor on an accelerator pod; `rollout.vllm_transfer.EngineClient` (rank 0) for the transfer calls.
 
-Full weights arrive one of two ways, chosen by `weight_sync.choose_weight_transfer` from what the
-installed vLLM has (`weight_sync.detect_vllm_weight_transfer`): vLLM's own weight-transfer API
-(`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for a colocated one; the
-trainer broadcasts, `receive_weight_transfer` runs start/update/finish_weight_update), or, without
-it, `update_weights` (a whole-model dict through the object store, loaded by `collective_rpc`).
+Why AsyncLLM and not the offline `LLM`: both have vLLM's RL weight-transfer methods
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`),
+sleep/wake and LoRA; only AsyncLLM can stop requests that are in flight, which partial rollouts need
+(`pause_generation(mode=...)`, `abort`, `resume_generation`: `LLM.generate` blocks until every request
+of the call is done). The partial-rollout methods of this class:
+- `pause_generation(mode="keep", clear_cache=True)`: in-flight requests freeze where they are
+  (vLLM's "keep"; "abort" ends them with finish_reason "abort" and their tokens so far), the KV
+  cache is dropped, so on resume vLLM recomputes each frozen request's prompt + tokens so far under
+  the weights loaded meanwhile;
+- `abort_requests(request_ids=None)`: ends requests (all in flight when None);
+- `resume_generation()`; `is_paused()`; `inflight_request_ids()`.
+(The Ray actor must admit concurrent calls for a pause to reach an engine that is generating: that
+wiring, and what the driver does with the tokens, belong to the pipeline.)
 
-With `rollout.engineLora` (model.finetune lora) the engine serves base + the trainer's adapter, as
-vLLM serves LoRA: it is built with `enable_lora=True`, `max_loras=1` and `max_lora_rank` the
-trainer's rank rounded up to a value vLLM accepts (`config.vllm_max_lora_rank`); the base loads
-from its path as without LoRA. A sync then sends only the adapter tensors
-(`weight_sync.PATH_VLLM_LORA`: PEFT saved-adapter names, through the object store, a small fraction
-of the model; never vLLM's weight-transfer API, which moves full weights). `update_weights` writes
-them as a PEFT adapter directory under /dev/shm (`lora_adapter.AdapterStore`), adds it as a new adapter
-(`LoRARequest(name, new lora_int_id, path)`, `llm.llm_engine.add_lora`), removes the previous one
-(`remove_lora`) and deletes its directory, and resets the prefix cache; `generate` passes
-`lora_request=` for the current adapter (none before the first sync: the trainer's adapter starts
-with B = 0, so the base is the policy). Level-2 sleep is refused for such an engine (config load
-refuses it first): vLLM's level 2 discards the base weights, and reloading them into a LoRA-enabled
-vLLM is not plain `load_weights`: vLLM wraps every LoRA-capable linear layer, so their base
-parameters are named `<module>.base_layer.weight` (verl renames them model by model before
-`load_weights`, its `replace_lora_wrapper`), and vLLM does not document whether the adapter slots
-survive level 2. Level 1 keeps the weights in host memory and restores them, so rljob requires it.
+Rules (`base.SleepState`, shared with the transformers engine, mirroring vLLM 0.33.0): sleep needs
+`enable_sleep_mode`; level 1 offloads weights to host memory and drops the KV cache, level 2 discards
+both; `wake_up(tags=["weights"])`, load, `wake_up(tags=["kv_cache"])`; no weight load while the
+weights sleep; generation only when fully awake. Log-probs are vLLM's `processed_logprobs` (after
+temperature and top-p: what the sampler drew from).
 
-NOT RUN in this repository's tests: there is no GPU and no vLLM here. The calls follow vLLM's public
-API (LLM, SamplingParams, TokensPrompt, sleep/wake_up, collective_rpc, reset_prefix_cache,
-init_weight_transfer_engine/update_weights as in vLLM's examples/rl/rlhf_nccl.py, commit 3a383407;
-enable_lora/max_lora_rank/max_loras, vllm.lora.request.LoRARequest, LLMEngine.add_lora/remove_lora
-as in vllm/v1/engine/llm_engine.py). What is tested: the adapter directory this engine writes loads
-with real peft onto the base and computes the trainer's logits (tests/integration/
-test_vllm_lora_adapter.py), and the config rules and path choice around it (unit tests).
+Full weights arrive one of two ways (`weight_sync.choose_weight_transfer` from the installed vLLM):
+vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for
+a colocated one; rank 0 drives `init_weight_transfer` / `start_weight_update` /
+`receive_weight_update` / `finish_weight_update` here through `rollout.vllm_transfer`, each bounded
+by rollout.engineTimeoutS), or the named fallback `update_weights` (a whole-model dict through the
+object store, loaded by `collective_rpc`: vLLM documents collective_rpc for control messages, so the
+driver logs this path as a warning). `VLLM_ALLOW_INSECURE_SERIALIZATION` is set only where vLLM's
+engine-core channel must pickle (`needs_pickle`: that fallback's callable, IPC handles).
+
+With `rollout.engineLora` (model.finetune lora) the engine serves base + the trainer's adapter: built
+with `enable_lora=True`, `max_loras=1` and `max_lora_rank` the trainer's rank rounded up to a value
+vLLM accepts (`config.vllm_max_lora_rank`). A sync writes the adapter as a PEFT directory under
+/dev/shm (`lora_adapter.AdapterStore`), `add_lora`s it under a new id, `remove_lora`s the previous one;
+`generate` passes `lora_request=` for the current one. `adapter_version()` reports whether vLLM still
+lists it (`list_loras`): after a level-1 wake the driver re-adds a lost one (vLLM issue 53888 reports
+silent loss). Level-2 sleep is refused for such an engine (config load refuses it first): it discards
+base weights rljob cannot reload into vLLM's LoRA layers (named `<module>.base_layer.weight`).
+
+NOT RUN in this repository's tests: no GPU. `make test-vllm` checks every call here against the
+installed vLLM (tests/conformance/: each AsyncLLM method bound to its real signature with the exact
+arguments passed, `AsyncEngineArgs(**engine_args(...))`, `SamplingParams`, `LoRARequest`,
+`WeightTransferConfig`, the request dataclasses), and the adapter directory loads with real peft onto
+the base and computes the trainer's logits (tests/integration/test_vllm_lora_adapter.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
-from typing import Any
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 from rljob_trainer import config as config_mod
 from rljob_trainer import lora_adapter
 from rljob_trainer.engines import base
 
+T = TypeVar("T")
+
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
     # Runs inside each vLLM worker process (collective_rpc passes the worker as `self`); vLLM's
     # model.load_weights shards full tensors for tensor parallelism and fuses q/k/v, gate/up itself.
-    model = worker.model_runner.model
-    model.load_weights(weights=iter(weights))
+    worker.model_runner.get_model().load_weights(weights=iter(weights))
     return len(weights)
 
 
@@ -69,12 +83,95 @@ def _lora_request(adapter: lora_adapter.AdapterVersion) -> Any:
 
 
 def lora_engine_args(cfg: config_mod.TrainerConfig) -> dict[str, Any]:
-    """The vllm.LLM arguments of an engine that serves the trainer's LoRA adapter (none without)."""
+    """The engine arguments of an engine that serves the trainer's LoRA adapter (none without)."""
     if not cfg.rollout.engine_lora:
         return {}
     # One adapter at a time: the policy. vLLM refuses a max_lora_rank outside its list: rounded up.
     rank = config_mod.vllm_max_lora_rank(cfg.model.lora.rank)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+
+
+def engine_args(
+    cfg: config_mod.TrainerConfig,
+    *,
+    model: str,
+    sleep_enabled: bool,
+    transfer_backend: str | None = None,
+    tp_workers_in_placement_group: bool = False,
+) -> dict[str, Any]:
+    """The `vllm.AsyncEngineArgs` keywords of one engine (plain values; `WeightTransferConfig` is
+    built from `weight_transfer_backend` at load). Pure: tests/conformance builds `AsyncEngineArgs`
+    from it."""
+    r, lengths = cfg.rollout, cfg.lengths
+    args: dict[str, Any] = {
+        "model": model,
+        "dtype": cfg.model.dtype,
+        "tensor_parallel_size": r.tensor_parallel,
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "max_num_seqs": r.max_num_seqs,
+        "max_num_batched_tokens": r.max_num_batched_tokens,
+        "max_model_len": lengths.max_model_len_tokens,
+        "enable_sleep_mode": sleep_enabled,
+        "seed": cfg.grpo.seed,
+        # vLLM returns raw log-probs (before temperature/top-p) unless asked; the trainer compares
+        # with the distribution the sample was drawn from.
+        "logprobs_mode": "processed_logprobs",
+        "disable_log_stats": True,
+    }
+    if tp_workers_in_placement_group:
+        # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
+        # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
+        args["distributed_executor_backend"] = "ray"
+    if cfg.rollout.engine_lora and cfg.model.finetune == "lora":
+        args.update(lora_engine_args(cfg))
+    if transfer_backend is not None:
+        args["weight_transfer_backend"] = transfer_backend
+    return args
+
+
+def sampling_kwargs(sampling: base.SamplingSettings, seed: int) -> dict[str, Any]:
+    """The `vllm.SamplingParams` keywords of one request (its own seed)."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+        "seed": int(seed),
+        "logprobs": 0,  # the sampled token's log-prob
+        "stop_token_ids": list(sampling.stop_token_ids) or None,
+    }
+
+
+def needs_pickle(transfer: Any) -> bool:
+    """Whether this engine's weight path sends what vLLM's msgpack channel to its engine core refuses
+    without VLLM_ALLOW_INSECURE_SERIALIZATION: a Python callable (the collective_rpc fallback) or CUDA
+    IPC handles (classes and dtypes in `reduce_tensor`'s rebuild arguments). Both stay inside the
+    engine's own processes; no other engine allows pickle."""
+    from rljob_trainer.rollout import weight_sync
+
+    if transfer.path == weight_sync.PATH_COLLECTIVE_RPC:
+        return True
+    return transfer.path == weight_sync.PATH_VLLM_NATIVE and transfer.backend == "ipc"
+
+
+class EngineCallTimeout(RuntimeError):
+    """A call into vLLM did not finish within rollout.engineTimeoutS."""
+
+
+class _Loop:
+    """A private asyncio loop on a daemon thread; AsyncLLM lives on it."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-vllm", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineCallTimeout(f"vLLM call did not finish within {timeout_s:.0f} s") from None
 
 
 class VLLMEngine(base.RolloutEngine):
@@ -93,6 +190,7 @@ class VLLMEngine(base.RolloutEngine):
         self._model_path = model_path
         self._tp_in_group = tp_workers_in_placement_group
         self._llm: Any = None
+        self._loop: _Loop | None = None
         self._state = base.SleepState(name, sleep_enabled=colocated and cfg.rollout.enable_sleep_mode)
         self._version = 0
         self._served = 0
@@ -101,6 +199,9 @@ class VLLMEngine(base.RolloutEngine):
         self.serves_lora = cfg.rollout.engine_lora and cfg.model.finetune == "lora"
         self._adapters: lora_adapter.AdapterStore | None = None
         self._adapter: lora_adapter.AdapterVersion | None = None  # what generate() serves
+        self._request_ids = itertools.count()
+        self._inflight: set[str] = set()
+        self._timeout_s = cfg.rollout.engine_timeout_s
 
     @property
     def weight_transfer(self) -> Any:
@@ -128,7 +229,7 @@ class VLLMEngine(base.RolloutEngine):
         if m.source == "hub":
             return str(m.hub_id)
         # A tiny model has no files: write its config, tokenizer and initial weights once so vLLM can
-        # build it; later weights arrive through update_weights, never through disk.
+        # build it; later weights arrive through a weight transfer, never through disk.
         from rljob_trainer import modeling
 
         out = tempfile.mkdtemp(prefix=f"rljob-{self.name}-")
@@ -136,52 +237,57 @@ class VLLMEngine(base.RolloutEngine):
         modeling.load_tokenizer(m).save_pretrained(out)
         return out
 
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if self._loop is None:
+            raise RuntimeError(f"engine {self.name}: load() has not been called")
+        return self._loop.run(coro, timeout_s)
+
     def load(self) -> None:
         if self._llm is not None:
             return
-        # collective_rpc with a Python callable needs pickled functions across vLLM's processes.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        import vllm
-
-        r, lengths = self._cfg.rollout, self._cfg.lengths
-        extra: dict[str, Any] = {}
-        if self._tp_in_group:
-            # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
-            # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
-            extra["distributed_executor_backend"] = "ray"
         from rljob_trainer.rollout import weight_sync
 
-        if self.weight_transfer.path == weight_sync.PATH_VLLM_NATIVE:
-            from vllm.config import WeightTransferConfig
-
-            extra["weight_transfer_config"] = WeightTransferConfig(backend=self.weight_transfer.backend)
-        if self.serves_lora:
-            extra.update(lora_engine_args(self._cfg))
-            self._adapters = lora_adapter.AdapterStore(self.name)
-        self._llm = vllm.LLM(
+        transfer = self.weight_transfer
+        if needs_pickle(transfer):
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        kwargs = engine_args(
+            self._cfg,
             model=self._resolve_model_path(),
-            dtype=self._cfg.model.dtype,
-            tensor_parallel_size=r.tensor_parallel,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.max_num_batched_tokens,
-            max_model_len=lengths.max_model_len_tokens,
-            enable_sleep_mode=self._state.sleep_enabled,
-            seed=self._cfg.grpo.seed,
-            # V1 returns raw log-probs (before temperature/top-p) unless asked; the trainer compares
-            # with the distribution the sample was drawn from.
-            logprobs_mode="processed_logprobs",
-            **extra,
+            sleep_enabled=self._state.sleep_enabled,
+            transfer_backend=transfer.backend if transfer.path == weight_sync.PATH_VLLM_NATIVE else None,
+            tp_workers_in_placement_group=self._tp_in_group,
         )
+        if self.serves_lora:
+            self._adapters = lora_adapter.AdapterStore(self.name)
+        self._loop = _Loop(self.name)
+        self._llm = self._run(self._build(kwargs))
+
+    @staticmethod
+    async def _build(kwargs: dict[str, Any]) -> Any:
+        # Built on the loop that will run it: AsyncLLM starts its output handler on the running loop.
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = dict(kwargs)
+        backend = kwargs.pop("weight_transfer_backend", None)
+        if backend is not None:
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=backend)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     @property
     def is_sleeping(self) -> bool:
         return not self._state.fully_awake
 
     @property
+    def sleep_state(self) -> base.SleepState:
+        return self._state
+
+    @property
     def weights_version(self) -> int:
         return self._version
 
+    # ---- generation ------------------------------------------------------------------------------
     def generate(
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
     ) -> list[base.GenerationOutput]:
@@ -190,32 +296,64 @@ class VLLMEngine(base.RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         seeds = sampling.seeds or tuple(range(len(prompts_token_ids)))
-        params = [
-            SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
-                seed=int(s),
-                logprobs=0,  # the sampled token's log-prob
-                stop_token_ids=list(sampling.stop_token_ids) or None,
-            )
-            for s in seeds
-        ]
+        params = [SamplingParams(**sampling_kwargs(sampling, s)) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
-        lora = {"lora_request": _lora_request(self._adapter)} if self._adapter is not None else {}
-        outs = self._llm.generate(prompts, params, use_tqdm=False, **lora)
+        lora = _lora_request(self._adapter) if self._adapter is not None else None
+        ids = [f"{self.name}-{next(self._request_ids)}" for _ in prompts]
+        finals = self._run(self._generate_all(prompts, params, ids, lora))
         results = []
-        for p, o in zip(prompts_token_ids, outs, strict=True):
+        for p, o in zip(prompts_token_ids, finals, strict=True):
             c = o.outputs[0]
             toks = tuple(int(t) for t in c.token_ids)
             lps = tuple(float(c.logprobs[i][t].logprob) for i, t in enumerate(toks)) if c.logprobs else ()
-            reason = "stop" if c.finish_reason == "stop" else "length"
-            meta = {"engine": self.name, "version": self._version}
+            reason = c.finish_reason if c.finish_reason in ("stop", "abort") else "length"
+            meta = {"engine": self.name, "version": self._version, "request_id": o.request_id}
             results.append(base.GenerationOutput(tuple(p), toks, lps, reason, meta))
         self._served += len(results)
         self._tokens += sum(len(r.token_ids) for r in results)
         return results
 
+    async def _generate_all(
+        self, prompts: list[Any], params: list[Any], ids: list[str], lora: Any
+    ) -> list[Any]:
+        async def one(prompt: Any, param: Any, request_id: str) -> Any:
+            self._inflight.add(request_id)
+            final = None
+            try:
+                async for out in self._llm.generate(prompt, param, request_id, lora_request=lora):
+                    final = out
+            finally:
+                self._inflight.discard(request_id)
+            return final
+
+        return list(
+            await asyncio.gather(*(one(p, s, i) for p, s, i in zip(prompts, params, ids, strict=True)))
+        )
+
+    # ---- partial rollouts (vLLM's pause / abort / resume) ----------------------------------------
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Stop scheduling: "keep" freezes in-flight requests (they go on at `resume_generation`),
+        "abort" ends them (finish_reason "abort", tokens so far returned), "wait" lets them finish.
+        New requests wait (keep) or are refused (abort, wait) until resumed."""
+        self._run(self._llm.pause_generation(mode=mode, clear_cache=clear_cache), self._timeout_s)
+
+    def resume_generation(self) -> None:
+        self._run(self._llm.resume_generation(), self._timeout_s)
+
+    def is_paused(self) -> bool:
+        return bool(self._run(self._llm.is_paused(), self._timeout_s))
+
+    def abort_requests(self, request_ids: Sequence[str] | None = None) -> list[str]:
+        """End `request_ids` (every request in flight when None); returns the ids aborted."""
+        ids = sorted(self._inflight) if request_ids is None else list(request_ids)
+        if ids:
+            self._run(self._llm.abort(ids), self._timeout_s)
+        return ids
+
+    def inflight_request_ids(self) -> list[str]:
+        return sorted(self._inflight)
+
+    # ---- sleep -----------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         if self.is_sleeping:
             return
@@ -225,15 +363,16 @@ class VLLMEngine(base.RolloutEngine):
                 "which rljob cannot reload into vLLM's LoRA layers; use rollout.sleepLevel 1"
             )
         self._state.on_sleep(level)
-        self._llm.sleep(level=level)
+        self._run(self._llm.sleep(level=level), self._timeout_s)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         new = self._state.on_wake(tags)
-        if new:
-            self._llm.wake_up(tags=sorted(new))
+        if new:  # only the tags still asleep: vLLM ignores a whole wake_up naming an awake tag
+            self._run(self._llm.wake_up(tags=sorted(new)), self._timeout_s)
         if "kv_cache" in new:
-            self._llm.reset_prefix_cache()  # nothing cached before the sleep may be reused
+            self._run(self._llm.reset_prefix_cache(), self._timeout_s)  # nothing cached before the sleep
 
+    # ---- weights: the named fallback (collective_rpc) and LoRA adapters --------------------------
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
     ) -> int:
@@ -241,9 +380,12 @@ class VLLMEngine(base.RolloutEngine):
         weights = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         if self.serves_lora:
             return self._update_adapter(dict(weights), version)
-        self._llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        self._run(
+            self._llm.collective_rpc(_load_weights_on_worker, timeout=self._timeout_s, args=(weights,)),
+            self._timeout_s,
+        )
         if self._state.fully_awake:
-            self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
+            self._run(self._llm.reset_prefix_cache(), self._timeout_s)  # KV of the old weights
         self._state.weights_valid = True
         self._version = self._version + 1 if version is None else int(version)
         return len(weights)
@@ -258,55 +400,69 @@ class VLLMEngine(base.RolloutEngine):
         if self._adapters is None:
             raise RuntimeError(f"engine {self.name}: load() has not been called")
         adapter = self._adapters.write(tensors, self._cfg.model, new_version)  # refuses base tensors
-        engine = getattr(self._llm, "llm_engine", self._llm)
         try:
-            if not engine.add_lora(_lora_request(adapter)):
+            if not self._run(self._llm.add_lora(_lora_request(adapter)), self._timeout_s):
                 raise RuntimeError(f"engine {self.name}: vLLM did not add LoRA adapter {adapter.name}")
         except BaseException:
             self._adapters.retire(adapter)  # the previous adapter stays current
             raise
         previous, self._adapter = self._adapter, adapter
         if previous is not None:
-            remove = getattr(engine, "remove_lora", None)
-            if remove is not None:
-                remove(previous.lora_int_id)
+            self._run(self._llm.remove_lora(previous.lora_int_id), self._timeout_s)
             self._adapters.retire(previous)
         if self._state.fully_awake:
-            self._llm.reset_prefix_cache()  # as after new weights (wake() resets it otherwise)
+            self._run(self._llm.reset_prefix_cache(), self._timeout_s)
         self._state.weights_valid = True
         self._version = new_version
         return len(tensors)
 
-    # ---- vLLM's weight-transfer API (weight_sync.PATH_VLLM_NATIVE) ---------------------------------
+    def adapter_version(self) -> int | None:
+        """The weights version of the LoRA adapter vLLM serves now; None when it serves none (never
+        added, or lost: vLLM no longer lists its id)."""
+        if self._adapter is None:
+            return None
+        listed = self._run(self._llm.list_loras(), self._timeout_s)
+        if self._adapter.lora_int_id not in listed:
+            return None
+        return self._version
+
+    # ---- vLLM's weight-transfer API, engine side (weight_sync.PATH_VLLM_NATIVE) ------------------
     def world_size(self) -> int:
         """The engine's workers (the ranks after the trainer's in an nccl weight-transfer group)."""
         return self._cfg.rollout.tensor_parallel
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's weight-transfer channel (nccl: master address/port, rank_offset 1,
-        world size; ipc: nothing). Blocks until the trainer side has joined too (nccl)."""
-        self._llm.init_weight_transfer_engine({"init_info": init_info})
+        """Join the trainer's channel (nccl: blocks until the trainer side joins too; ipc: records the
+        must-agree `packed`)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    def receive_weight_transfer(self, update_info: dict[str, Any], version: int) -> int:
-        """One weight update over the channel: the trainer sends at the same time (nccl broadcast) or
-        passes IPC handles in `update_info` (ipc). Same sleep rules as `update_weights`."""
+        request = WeightTransferInitRequest(init_info=init_info)
+        self._run(self._llm.init_weight_transfer_engine(request), self._timeout_s)
+
+    def start_weight_update(self) -> None:
+        """Start one update round; refused while the weights sleep, as `update_weights` is."""
         if self.serves_lora:  # weight_sync.choose_weight_transfer never picks this path for LoRA
             raise base.EngineStateError(
                 f"engine {self.name} serves LoRA: it takes adapters, not full weights"
             )
         self._state.check_update()
-        start = getattr(self._llm, "start_weight_update", None)  # the four-phase API of later releases
-        if start is not None:
-            start(is_checkpoint_format=True)
-        self._llm.update_weights({"update_info": update_info})
-        finish = getattr(self._llm, "finish_weight_update", None)
-        if finish is not None:
-            finish()
+        self._run(self._llm.start_weight_update(), self._timeout_s)
+
+    def receive_weight_update(self, update_info: dict[str, Any]) -> None:
+        """One chunk of the round (nccl: the trainer broadcasts meanwhile; ipc: handles to map)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._state.check_update()
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        self._run(self._llm.update_weights(request), self._timeout_s)
+
+    def finish_weight_update(self, version: int) -> None:
+        """End the round: the new weights serve from now on, as weights version `version`."""
+        self._run(self._llm.finish_weight_update(), self._timeout_s)
         if self._state.fully_awake:
-            self._llm.reset_prefix_cache()
+            self._run(self._llm.reset_prefix_cache(), self._timeout_s)
         self._state.weights_valid = True
         self._version = int(version)
-        return len(update_info.get("names", ()))
 
     def load_report(self) -> base.EngineLoad:
         return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)

@@ -158,14 +158,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # ---- which path: vLLM's weight-transfer API, our collective, or the object store (pure) ----------
-# vLLM's own weight-transfer API (`vllm.config.WeightTransferConfig`, `LLM.init_weight_transfer_engine`,
-# `LLM.update_weights`; `start_weight_update`/`finish_weight_update` in later releases) is followed
-# as vLLM's examples/rl/rlhf_nccl.py (commit 3a383407) uses it, with the static trainer side
-# `NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights` (and, for ipc,
-# `IPCWeightTransferEngine.trainer_send_weights` with `IPCTrainerSendWeightsArgs`, as documented for
-# vLLM v0.22.1, whose WeightTransferConfig accepts nccl and ipc; the first releases accepted only
-# nccl). vLLM v0.29's docs drive the trainer through `WeightTransferTrainerFactory` instead, which
-# rljob does not speak yet: there the collective_rpc path is used. NOT RUN here: no GPU, no vLLM.
+# vLLM's own weight-transfer API (`vllm.config.WeightTransferConfig(backend=...)` on the engine, whose
+# workers then take `init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
+# `finish_weight_update`) has two trainer sides, told apart by what the installed vLLM has
+# (`detect_vllm_weight_transfer`); `rollout.vllm_transfer` speaks both:
+# - GEN_TRAINER_ENGINES (vLLM 0.33.0, the CUDA image's pin): trainer engines built by
+#   `WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)` on every trainer rank,
+#   `send_weights()` drives the engine through a `VLLMWeightSyncClient`
+#   (vllm/distributed/weight_transfer/{base,factory,nccl_engine,ipc_engine}.py);
+# - GEN_STATIC_SENDER (vLLM 0.23.0, the Ascend image's pin, with vllm-ascend's HCCL / NPU-IPC classes):
+#   static `NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights(iterator, trainer_args)`.
+# `make test-vllm` checks each against its release.
 PATH_VLLM_NATIVE = "vllm-native"  # vLLM's WeightTransferConfig backend (nccl dedicated, ipc colocated)
 PATH_COLLECTIVE = "collective"  # our bucketed broadcast over one torch.distributed group per engine
 PATH_COLLECTIVE_RPC = "collective-rpc"  # whole-model dict via the object store, loaded by collective_rpc
@@ -174,6 +177,8 @@ PATH_OBJECT_STORE = "object-store"  # whole-model dict via the object store (nam
 # PEFT adapter directory and added with vLLM's add_lora (engines.vllm_engine). It wins over
 # PATH_VLLM_NATIVE, which moves full weights into the model (`load_weights`), never an adapter.
 PATH_VLLM_LORA = "vllm-lora-adapter"
+GEN_TRAINER_ENGINES = "trainer-engines"
+GEN_STATIC_SENDER = "static-sender"
 
 
 @dataclass(frozen=True)
@@ -181,12 +186,14 @@ class VLLMWeightTransferAPI:
     """What the installed vLLM offers for weight transfer, as plain data (`detect_vllm_weight_transfer`).
 
     `backends`: the WeightTransferConfig backends this vLLM has (empty: no WeightTransferConfig);
-    `static_trainer`: `NCCLWeightTransferEngine.trainer_send_weights` is the sender rljob drives.
+    `generation`: the trainer side rljob drives (`GEN_*`; None: one rljob does not speak);
+    `platform`: "ascend" where vllm-ascend is installed (its HCCL / NPU-IPC trainer classes), else "cuda".
     """
 
     version: str
     backends: frozenset[str] = frozenset()
-    static_trainer: bool = False
+    generation: str | None = None
+    platform: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,13 @@ class WeightTransferChoice:
     path: str
     backend: str
     reason: str
+    generation: str | None = None  # PATH_VLLM_NATIVE: which trainer side (GEN_*)
+    platform: str = "cuda"
+
+    @property
+    def fallback(self) -> bool:
+        """A path vLLM documents for something else (collective_rpc is for control messages)."""
+        return self.path in (PATH_COLLECTIVE_RPC, PATH_OBJECT_STORE)
 
 
 def choose_weight_transfer(
@@ -210,10 +224,10 @@ def choose_weight_transfer(
 ) -> WeightTransferChoice:
     """The weight path of one engine. vLLM engines serving LoRA (rollout.engineLora): the adapter
     path, whatever vLLM offers. Other vLLM engines: vLLM's own API where the installed vLLM has the
-    backend (nccl for a dedicated engine, ipc for a colocated one) and rljob can drive its sender,
-    else the collective_rpc path. Transformers engines: our collective (rollout.weightSync
-    collective, Ray runtime), else the object store (with LoRA or without: they load adapter
-    tensors from either)."""
+    backend (nccl for a dedicated engine, ipc for a colocated one) and rljob speaks its trainer side,
+    else the collective_rpc path, a named fallback (the driver logs it as a warning). Transformers
+    engines: our collective (rollout.weightSync collective, Ray runtime), else the object store (with
+    LoRA or without: they load adapter tensors from either)."""
     if engine_kind == "vllm" and engine_lora:
         return WeightTransferChoice(
             PATH_VLLM_LORA,
@@ -230,8 +244,8 @@ def choose_weight_transfer(
         elif wanted not in vllm.backends:
             have = sorted(vllm.backends)
             why = f"vLLM {vllm.version}'s WeightTransferConfig has no {wanted!r} backend ({have})"
-        elif not vllm.static_trainer:
-            why = f"vLLM {vllm.version} drives the trainer side by an API rljob does not speak yet"
+        elif vllm.generation is None:
+            why = f"vLLM {vllm.version}'s trainer-side weight-transfer API is not one rljob speaks"
         elif weight_sync != "collective":
             why = "rollout.weightSync is object-store"
         elif not ray:
@@ -239,7 +253,12 @@ def choose_weight_transfer(
         else:
             kind = "colocated" if colocated else "dedicated"
             return WeightTransferChoice(
-                PATH_VLLM_NATIVE, wanted, f"vLLM {vllm.version} WeightTransferConfig, {kind} engine"
+                PATH_VLLM_NATIVE,
+                wanted,
+                f"vLLM {vllm.version} WeightTransferConfig ({vllm.generation}, {vllm.platform}), "
+                f"{kind} engine",
+                vllm.generation,
+                vllm.platform,
             )
         return WeightTransferChoice(PATH_COLLECTIVE_RPC, "object-store", why)
     if weight_sync == "collective" and ray:
@@ -251,6 +270,7 @@ def choose_weight_transfer(
 
 def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
     """Probe the installed vLLM (None when it is not installed); nothing is started."""
+    import importlib
     import importlib.util
     import typing
 
@@ -258,28 +278,36 @@ def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
         import vllm
     except ImportError:
         return None
-    version = str(getattr(vllm, "__version__", "unknown"))
+    if getattr(vllm, "__version__", None) is None:
+        return None  # a namespace package of that name, not an installed vLLM
+    version = str(vllm.__version__)
+    platform = "ascend" if importlib.util.find_spec("vllm_ascend") else "cuda"
     try:
         from vllm.config import WeightTransferConfig
     except ImportError:
-        return VLLMWeightTransferAPI(version)
+        return VLLMWeightTransferAPI(version, platform=platform)
     modules = {"nccl": "nccl_engine", "ipc": "ipc_engine"}
     present = {
         b for b, m in modules.items() if importlib.util.find_spec(f"vllm.distributed.weight_transfer.{m}")
     }
-    try:  # early releases declare the accepted backends as a Literal; later ones as a registry `str`
+    try:  # the accepted backends: a Literal (early releases), or a Literal | str (a registry) later
         hint = typing.get_type_hints(WeightTransferConfig).get("backend")
-        literal = {a for a in typing.get_args(hint) if isinstance(a, str)}
+        literal = {a for arg in typing.get_args(hint) for a in (typing.get_args(arg) or (arg,))}
+        literal = {a for a in literal if isinstance(a, str)}
     except Exception:
         literal = set()
     backends = frozenset(present & literal) if literal else frozenset(present)
-    static = False
+    generation = None
     if "nccl" in backends:
-        from vllm.distributed.weight_transfer import nccl_engine
-
-        sender = getattr(getattr(nccl_engine, "NCCLWeightTransferEngine", None), "trainer_send_weights", None)
-        static = sender is not None and hasattr(nccl_engine, "NCCLTrainerSendWeightsArgs")
-    return VLLMWeightTransferAPI(version, backends, static)
+        factory = importlib.import_module("vllm.distributed.weight_transfer.factory")
+        nccl = importlib.import_module("vllm.distributed.weight_transfer.nccl_engine")
+        if hasattr(factory, "WeightTransferTrainerFactory") and hasattr(nccl, "NCCLTrainerInitInfo"):
+            generation = GEN_TRAINER_ENGINES
+        elif hasattr(getattr(nccl, "NCCLWeightTransferEngine", None), "trainer_send_weights") and hasattr(
+            nccl, "NCCLTrainerSendWeightsArgs"
+        ):
+            generation = GEN_STATIC_SENDER
+    return VLLMWeightTransferAPI(version, backends, generation, platform)
 
 
 # ---- groups ----------------------------------------------------------------------------------------
