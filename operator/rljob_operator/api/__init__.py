@@ -93,6 +93,7 @@ from rljob_operator.api.job import (
     describe_validation_error,
 )
 from rljob_operator.api.model import (
+    MODEL_CONFIG_LIMITS,
     ConfigMapKeyRef,
     FinetuneSpec,
     HubModelSource,
@@ -103,6 +104,8 @@ from rljob_operator.api.model import (
     PVCPathSource,
     SecretKeyRef,
     TinyModelSource,
+    bound_message,
+    model_config_bound_violations,
 )
 from rljob_operator.api.resources import (
     VLLM_MAX_LORA_RANK,
@@ -139,6 +142,7 @@ __all__ = [
     "GROUP",
     "KIND",
     "LIST_KIND",
+    "MODEL_CONFIG_LIMITS",
     "PHASES",
     "PLURAL",
     "SHORT_NAMES",
@@ -222,9 +226,11 @@ __all__ = [
     "TrackingSpec",
     "WandbTrackingSpec",
     "WeightSyncMode",
+    "bound_message",
     "describe_validation_error",
     "find_condition",
     "format_time",
     "load_manifests",
+    "model_config_bound_violations",
     "set_condition",
 ]

@@ -104,6 +104,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
         self._creators: dict[str, Callable[..., Any]] = {
             "Pod": self.core.create_namespaced_pod,
             "Service": self.core.create_namespaced_service,
@@ -111,6 +112,8 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Secret": self.core.create_namespaced_secret,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
             "Event": self.core.create_namespaced_event,
             "Workload": self._create_workload,
             "PodGroup": self._create_pod_group,
@@ -123,6 +126,7 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
 
     @classmethod
@@ -172,6 +176,10 @@ class Kube:
         garbage collector deletes what an earlier RLJob owned."""
         meta = obj["metadata"]
         kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        if kind == "Secret":
+            # Never read (no `get` on Secrets is granted): its name holds the RLJob's uid
+            # (`names.ray_auth_secret_name`), so a name taken is this job's own.
+            return None
         want = names.controller_uid(meta)
         try:
             current = await self.call("get", kind, self._readers[kind], name, namespace)

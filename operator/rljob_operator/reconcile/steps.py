@@ -23,10 +23,12 @@ alone, never restarting the gang.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -36,7 +38,7 @@ import kopf
 import pydantic
 
 from rljob_operator import api, builders, errors, names
-from rljob_operator.builders import podgroup
+from rljob_operator.builders import network_policy, podgroup
 from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
 from rljob_operator.estimator import presets
 from rljob_operator.kube import adapter, metrics, resync
@@ -96,7 +98,7 @@ async def reconcile_job(
             ctx = Ctx(
                 state=state,
                 key=key,
-                job=builders.JobRef(name, namespace),
+                job=builders.JobRef(name, namespace, (body.get("metadata") or {}).get("uid")),
                 body=body,
                 raw_spec=dict(body.get("spec") or {}),
                 generation=int(body["metadata"].get("generation") or 0),
@@ -325,7 +327,17 @@ async def _step_children(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     """Everything but pods (once per generation/config; AlreadyExists is success)."""
     spec = spec_of(seen)
     assert seen.plan is not None and seen.layout is not None
-    objects = builders.build_job_objects(ctx.job, spec, seen.plan, seen.layout, ctx.model_config)
+    objects = builders.build_job_objects(
+        ctx.job,
+        spec,
+        seen.plan,
+        seen.layout,
+        ctx.model_config,
+        # Used only if the job's Secret does not exist yet (it is immutable; a create that finds it
+        # keeps the token its running pods have). Never logged, never in the status.
+        ray_token=secrets.token_hex(32),
+        network=NETWORK_POLICY,
+    )
     ctx.config_hash = objects.config_hash
     await _apply_children(ctx, objects)
     return seen, False
@@ -375,7 +387,12 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     spec = spec_of(seen)
     assert seen.layout is not None
     desired = builders.build_pods(
-        ctx.job, spec, seen.layout, attempt=ctx.attempt, config_hash=ctx.config_hash
+        ctx.job,
+        spec,
+        seen.layout,
+        attempt=ctx.attempt,
+        config_hash=ctx.config_hash,
+        model_config=ctx.model_config,
     )
     if seen.placements:  # Kueue admitted them: onto the admitted flavors' nodes
         desired = [
@@ -574,12 +591,37 @@ def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.Plan
     return planning.plan_status(planning.plan_job(spec, model_config))
 
 
+#: The longest one job's planning may take. The model config's sizes are bounded
+#: (`api.MODEL_CONFIG_LIMITS`: a config at every bound plans in milliseconds), so this is the second
+#: fence: planning runs in its own threads, never on the event loop every job shares, and a plan
+#: past the limit fails its job's generation (`PlanningTimeout`) instead of stalling the others.
+PLAN_TIMEOUT_S = float(os.environ.get("RLJOB_PLAN_TIMEOUT_S", "10"))
+PLAN_THREADS = 2
+_planner: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+async def plan_off_loop(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
+    """`_compute_plan` in the planner threads, within PLAN_TIMEOUT_S (a thread cannot be killed: one
+    past the limit runs on, but its job no longer waits for it and the loop never did)."""
+    if not _planner:
+        _planner.append(concurrent.futures.ThreadPoolExecutor(PLAN_THREADS, thread_name_prefix="rljob-plan"))
+    work = asyncio.get_running_loop().run_in_executor(_planner[0], _compute_plan, spec, model_config)
+    try:
+        return await asyncio.wait_for(work, PLAN_TIMEOUT_S)
+    except TimeoutError:
+        raise errors.PlanningTimeoutError(
+            "spec.model.config",
+            f"planning took longer than {PLAN_TIMEOUT_S:g}s: check the config's sizes (layers, hidden "
+            "size, experts) against the model's real config.json",
+        ) from None
+
+
 async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
     cache = ctx.state.caches.setdefault(ctx.key, Cache())
     if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
         return cache.plan, cache.model_config
     model_config = await _model_config(ctx, spec)
-    plan = _compute_plan(spec, model_config)
+    plan = await plan_off_loop(spec, model_config)
     cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
     cache.error = None
     return plan, model_config
@@ -714,6 +756,10 @@ def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> 
     since = ctx.state.unwritten.setdefault(ctx.key, now_s)
     ctx.retry(since + resync.STATUS_COALESCE_S - now_s, "a starting job's status is written")
     return True
+
+
+# ---- every job's NetworkPolicy, as the chart sets it (values.yaml jobNetworkPolicy) ---------------
+NETWORK_POLICY = network_policy.parse_settings(os.environ.get(network_policy.SETTINGS_ENV))
 
 
 # ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.decide.pools) ----------------------
