@@ -560,13 +560,16 @@ def run_operator_as_service_account(
                 assert exists(cluster, obj, *job_ns_flag), obj
             # The Ray token Secret exists (created under the chart's create-only grant), named by
             # the job's uid; the chart's metrics namespace may scrape the driver's port.
-            uid = cluster.kubectl("get", "rljob/tiny-cpu", *job_ns_flag, "-o", "jsonpath={.metadata.uid}").stdout
+            uid = cluster.kubectl(
+                "get", "rljob/tiny-cpu", *job_ns_flag, "-o", "jsonpath={.metadata.uid}"
+            ).stdout
             assert exists(cluster, f"secret/tiny-cpu-ray-auth-{uid[:8]}", *job_ns_flag)
             fence = json.loads(
                 cluster.kubectl("get", "networkpolicy/tiny-cpu", *job_ns_flag, "-o", "json").stdout
             )
             sources = [peer for rule in fence["spec"]["ingress"] for peer in rule["from"]]
-            assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in sources
+            monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+            assert {"namespaceSelector": monitoring} in sources
             wait_for(
                 "a status phase",
                 lambda: (

@@ -63,7 +63,8 @@ def head(tmp_path: Path) -> Iterator[tuple[int, int, str, Path]]:
             fakelet.POD_MARKER_ENV: marker,  # every process it spawns, to stop only those
         }
     )
-    cmd = ray_head_command(env, sys.executable) + [
+    cmd = [
+        *ray_head_command(env, sys.executable),
         f"--dashboard-port={dashboard}",
         f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp}",

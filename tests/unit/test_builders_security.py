@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from test_builders import make_spec, static_plan
 
 from rljob_operator import builders, names
 from rljob_operator.builders import network_policy, pods, ray_auth, scratch
 from rljob_operator.estimator import presets
-from test_builders import make_spec, static_plan
 
 JOB = builders.JobRef("demo", "team-a", "0123456789abcdef-uid")
 TOKEN = "f" * 64
@@ -107,11 +107,11 @@ def test_the_metrics_port_is_open_to_the_charts_namespace_only() -> None:
 
 
 def test_egress_is_open_unless_the_chart_lists_it() -> None:
-    open_policy = [o for o in job_objects(make_spec()).fence if o["kind"] == "NetworkPolicy"][0]
+    open_policy = next(o for o in job_objects(make_spec()).fence if o["kind"] == "NetworkPolicy")
     assert "egress" not in open_policy["spec"] and "Egress" not in open_policy["spec"]["policyTypes"]
     apiserver = {"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [{"protocol": "TCP", "port": 6443}]}
     settings = network_policy.parse_settings(json.dumps({"egress": [apiserver]}))
-    policy = [o for o in job_objects(make_spec(), network=settings).fence if o["kind"] == "NetworkPolicy"][0]
+    policy = next(o for o in job_objects(make_spec(), network=settings).fence if o["kind"] == "NetworkPolicy")
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     own, dns, listed = policy["spec"]["egress"]
     assert matches(own["to"][0]["podSelector"], job_objects(make_spec()).pods[-1]["metadata"]["labels"])
