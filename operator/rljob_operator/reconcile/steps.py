@@ -119,6 +119,8 @@ async def reconcile_job(
                 await _write_status(ctx, observed)
             finally:
                 _post_later(ctx)
+            if not ctx.api_error:
+                state.api_failures.pop(key, None)  # the API answered: the backoff starts afresh
             if ctx.retry_s is not None:
                 logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
             return ctx.retry_s
@@ -154,12 +156,23 @@ async def run_steps(ctx: Ctx) -> status.Observed:
                 ctx.retry(RETRY_WAITING_S, f"{_step_label(step)}: {status.reason_for(exc)}")
             return dataclasses.replace(seen, error=exc)
         except Exception as exc:
-            ctx.logger.exception(f"reconcile step {step.__name__} failed")
-            ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
+            if adapter.is_api_error(exc):  # the apiserver said no, or could not be reached
+                ctx.logger.warning(f"reconcile step {step.__name__}: API error {type(exc).__name__}: {exc}")
+                ctx.back_off(api_backoff_s(ctx.state, ctx.key, exc), f"{step.__name__}: API error")
+            else:
+                ctx.logger.exception(f"reconcile step {step.__name__} failed")
+                ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
             return dataclasses.replace(seen, error=errors.InternalError.wrap(_step_label(step), exc))
         if stop:
             break
     return seen
+
+
+def api_backoff_s(state: State, key: str, exc: BaseException) -> float:
+    """One more API error in a row for job `key`: its next reconcile's delay (5 s doubling to 5 min,
+    jittered; a 429's Retry-After when longer: `resync.api_error_delay_s`)."""
+    failures = state.api_failures[key] = state.api_failures.get(key, 0) + 1
+    return resync.api_error_delay_s(failures, adapter.retry_after_s(exc))
 
 
 def _step_label(step: Step) -> str:
@@ -207,7 +220,8 @@ async def _step_finished(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         left_s = done.timestamp() + ttl - ctx.now.timestamp()
         if left_s <= 0:
             post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
-            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+            # Only this RLJob (its uid): one recreated under the name since has its own TTL.
+            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name, ctx.uid)
         else:
             ctx.retry(left_s, f"ttlSecondsAfterFinished ends in {left_s:.0f}s")
     return dataclasses.replace(seen, finished=True), True
@@ -364,6 +378,20 @@ async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     if _first_pods_of_attempt(ctx) and not kueue_managed(ctx):
         assert seen.layout is not None
         lifecycle.check_capacity(spec_of(seen), seen.layout, list(ctx.nodes_index.get("nodes", [])))
+    return seen, False
+
+
+async def _step_checkpoint_fallback(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A driver that resumed past a corrupt or partial checkpoint says so in a SyncReport
+    (`checkpointFallback`): a Warning Event on the RLJob, once per fallback."""
+    posted = ctx.state.fallbacks_posted.setdefault(ctx.key, set())
+    for report in sync_reports(ctx):
+        note = report.checkpoint_fallback
+        if note and note not in posted:
+            queued = len(ctx.events)
+            post(ctx, "Warning", "CheckpointFallback", f"step {report.step}: {note}")
+            if len(ctx.events) > queued:  # not rate-limited: the next one goes at a later reconcile
+                posted.add(note)
     return seen, False
 
 
@@ -538,6 +566,7 @@ STEPS: tuple[Step, ...] = (
     _step_children,
     _step_volumes,
     _step_capacity,
+    _step_checkpoint_fallback,
     _step_adapt,
     step_admission,
     step_gang,
@@ -725,7 +754,10 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
         return
     ctx.state.unwritten.pop(ctx.key, None)
     if patch is not None:
-        ctx.state.remember(ctx.key, await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch))
+        written = await write_status(ctx.state.kube, ctx.body, new, patch)
+        if written is None:
+            return  # the RLJob is gone
+        ctx.state.remember(ctx.key, written)
         known = {c.type for c in ctx.old.conditions}
         for cond in status.transitions(ctx.old.conditions, new.conditions):
             kind = status.event_type(cond)
@@ -734,6 +766,33 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
     if new.phase:
         ctx.state.phases[ctx.key] = new.phase
         metrics.set_phase_counts(ctx.state.phases)
+
+
+async def write_status(
+    kube: adapter.Kube, body: dict[str, Any], new: api.RLJobStatus, patch: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Patch the status computed from `body`, only if the RLJob is still at `body`'s resourceVersion.
+
+    A 409 Conflict means it changed since (a spec edit, another writer): the RLJob is read again
+    and the same new status is written as a patch against what is stored now, once; a second
+    conflict raises (the job's API backoff retries). Returns the RLJob as stored after the write,
+    or None when it is gone."""
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    try:
+        return await kube.patch_status(namespace, name, patch, meta.get("resourceVersion"))
+    except Exception as exc:
+        if not adapter.is_conflict(exc):
+            raise
+    fresh = await kube.read_rljob(namespace, name)
+    if fresh is None:
+        return None
+    again = status.status_patch(dict(fresh.get("status") or {}), new)
+    if again is None:
+        return fresh
+    return await kube.patch_status(
+        namespace, name, again, (fresh.get("metadata") or {}).get("resourceVersion")
+    )
 
 
 def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> bool:

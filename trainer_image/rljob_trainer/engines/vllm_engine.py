@@ -171,6 +171,9 @@ class VLLMEngine(base.RolloutEngine):
             # V1 returns raw log-probs (before temperature/top-p) unless asked; the trainer compares
             # with the distribution the sample was drawn from.
             logprobs_mode="processed_logprobs",
+            # spec.model.source.hub.revision: the weights and the tokenizer of that commit, as the trainer's.
+            revision=self._cfg.model.hub_revision,
+            tokenizer_revision=self._cfg.model.hub_revision,
             **extra,
         )
 
