@@ -86,10 +86,11 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: _split(v, f"{path}.{k}", tensors) for k, v in value.items()}
         # Keys JSON cannot hold (optimizer states are keyed by int): pairs, keys encoded too.
-        return {
-            _DICT: [[_split(k, f"{path}.key{i}", tensors), _split(v, f"{path}.{k}", tensors)]
-                    for i, (k, v) in enumerate(value.items())]  # fmt: skip
-        }
+        pairs = [
+            [_split(k, f"{path}.key{i}", tensors), _split(v, f"{path}.{k}", tensors)]
+            for i, (k, v) in enumerate(value.items())
+        ]
+        return {_DICT: pairs}
     raise TypeError(f"checkpoint state {path}: {type(value).__name__} is neither a tensor nor JSON")
 
 
