@@ -54,7 +54,7 @@ class InvalidModelConfigError(EstimatorError):
 
 
 class PlanningTimeoutError(EstimatorError):
-    """Planning ran past its time limit (`steps.PLAN_TIMEOUT_S`): the config is beyond what the
+    """Planning ran past its time limit (`reconcile.guards.PLAN_TIMEOUT_S`): the config is beyond what the
     estimator can size in time; a new spec generation is planned afresh."""
 
     reason = "PlanningTimeout"

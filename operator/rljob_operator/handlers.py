@@ -41,8 +41,9 @@ import kopf
 from rljob_operator import api, names
 from rljob_operator.decide import admission, lifecycle
 from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.reconcile.guards import api_backoff_s
 from rljob_operator.reconcile.state import State
-from rljob_operator.reconcile.steps import RETRY_WAITING_S, api_backoff_s, reconcile_job
+from rljob_operator.reconcile.steps import RETRY_WAITING_S, reconcile_job
 from rljob_trainer import telemetry
 
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "300"))

@@ -28,7 +28,7 @@ from test_operator import TINY_CONFIG, apply, condition, job_status, operator, p
 
 from rljob_operator import api, handlers
 from rljob_operator.kube import adapter, metrics
-from rljob_operator.reconcile import steps
+from rljob_operator.reconcile import guards
 from testenv.cluster import restricted
 from testenv.waiting import wait_for
 
@@ -165,7 +165,7 @@ def test_a_status_from_a_stale_rljob_is_refused_then_written_on_the_fresh_one(
             with pytest.raises(Exception) as refused:  # written blind on the stale version: refused
                 await kube.patch_status(namespace, "stale", {"phase": "Failed"}, rv)
             assert adapter.is_conflict(refused.value)
-            return await steps.write_status(kube, stale, new, patch)
+            return await guards.write_status(kube, stale, new, patch)
         finally:
             kube.close()
 

@@ -1,6 +1,6 @@
 """Unit tests for bounded model configs: one table (`api.MODEL_CONFIG_LIMITS`) read by the CRD
 schema, the API model (`rljob validate`) and the estimator; planning off the event loop within a
-time limit (`reconcile.steps.plan_off_loop`). On the real apiserver: tests/integration/
+time limit (`reconcile.guards.plan_off_loop`). On the real apiserver: tests/integration/
 test_operator_security.py (refused at apply, the operator stays up)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rljob_operator.api import crd
 from rljob_operator.cli import commands
 from rljob_operator.decide import planning
 from rljob_operator.estimator import geometry, presets
-from rljob_operator.reconcile import steps
+from rljob_operator.reconcile import guards
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -118,8 +118,7 @@ def test_planning_runs_off_the_event_loop_within_its_time_limit(monkeypatch: pyt
         time.sleep(0.6)  # a plan past the limit (no bounded config takes this long)
         return api.PlanStatus(trainer_accelerators=1)
 
-    monkeypatch.setattr(steps, "_compute_plan", slow_plan)
-    monkeypatch.setattr(steps, "PLAN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(guards, "PLAN_TIMEOUT_S", 0.2)
     spec = api.RLJobSpec.model_validate(tiny_job()["spec"])
     ticks: list[float] = []
 
@@ -131,7 +130,7 @@ def test_planning_runs_off_the_event_loop_within_its_time_limit(monkeypatch: pyt
 
         ticker = asyncio.create_task(tick())
         with pytest.raises(errors.PlanningTimeoutError, match=r"planning took longer than 0\.2s"):
-            await steps.plan_off_loop(spec, {})
+            await guards.plan_off_loop(lambda: slow_plan(spec, {}))
         ticker.cancel()
 
     started = time.monotonic()

@@ -23,7 +23,6 @@ alone, never restarting the gang.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -42,7 +41,7 @@ from rljob_operator.builders import network_policy, podgroup
 from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
 from rljob_operator.estimator import presets
 from rljob_operator.kube import adapter, metrics, resync
-from rljob_operator.reconcile import status
+from rljob_operator.reconcile import guards, status
 from rljob_operator.reconcile.context import (
     RETRY_INTERNAL_ERROR_S,
     RETRY_WAITING_S,
@@ -158,7 +157,7 @@ async def run_steps(ctx: Ctx) -> status.Observed:
         except Exception as exc:
             if adapter.is_api_error(exc):  # the apiserver said no, or could not be reached
                 ctx.logger.warning(f"reconcile step {step.__name__}: API error {type(exc).__name__}: {exc}")
-                ctx.back_off(api_backoff_s(ctx.state, ctx.key, exc), f"{step.__name__}: API error")
+                ctx.back_off(guards.api_backoff_s(ctx.state, ctx.key, exc), f"{step.__name__}: API error")
             else:
                 ctx.logger.exception(f"reconcile step {step.__name__} failed")
                 ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
@@ -166,13 +165,6 @@ async def run_steps(ctx: Ctx) -> status.Observed:
         if stop:
             break
     return seen
-
-
-def api_backoff_s(state: State, key: str, exc: BaseException) -> float:
-    """One more API error in a row for job `key`: its next reconcile's delay (5 s doubling to 5 min,
-    jittered; a 429's Retry-After when longer: `resync.api_error_delay_s`)."""
-    failures = state.api_failures[key] = state.api_failures.get(key, 0) + 1
-    return resync.api_error_delay_s(failures, adapter.retry_after_s(exc))
 
 
 def _step_label(step: Step) -> str:
@@ -620,37 +612,12 @@ def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.Plan
     return planning.plan_status(planning.plan_job(spec, model_config))
 
 
-#: The longest one job's planning may take. The model config's sizes are bounded
-#: (`api.MODEL_CONFIG_LIMITS`: a config at every bound plans in milliseconds), so this is the second
-#: fence: planning runs in its own threads, never on the event loop every job shares, and a plan
-#: past the limit fails its job's generation (`PlanningTimeout`) instead of stalling the others.
-PLAN_TIMEOUT_S = float(os.environ.get("RLJOB_PLAN_TIMEOUT_S", "10"))
-PLAN_THREADS = 2
-_planner: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-async def plan_off_loop(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
-    """`_compute_plan` in the planner threads, within PLAN_TIMEOUT_S (a thread cannot be killed: one
-    past the limit runs on, but its job no longer waits for it and the loop never did)."""
-    if not _planner:
-        _planner.append(concurrent.futures.ThreadPoolExecutor(PLAN_THREADS, thread_name_prefix="rljob-plan"))
-    work = asyncio.get_running_loop().run_in_executor(_planner[0], _compute_plan, spec, model_config)
-    try:
-        return await asyncio.wait_for(work, PLAN_TIMEOUT_S)
-    except TimeoutError:
-        raise errors.PlanningTimeoutError(
-            "spec.model.config",
-            f"planning took longer than {PLAN_TIMEOUT_S:g}s: check the config's sizes (layers, hidden "
-            "size, experts) against the model's real config.json",
-        ) from None
-
-
 async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
     cache = ctx.state.caches.setdefault(ctx.key, Cache())
     if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
         return cache.plan, cache.model_config
     model_config = await _model_config(ctx, spec)
-    plan = await plan_off_loop(spec, model_config)
+    plan = await guards.plan_off_loop(functools.partial(_compute_plan, spec, model_config))
     cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
     cache.error = None
     return plan, model_config
@@ -754,7 +721,7 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
         return
     ctx.state.unwritten.pop(ctx.key, None)
     if patch is not None:
-        written = await write_status(ctx.state.kube, ctx.body, new, patch)
+        written = await guards.write_status(ctx.state.kube, ctx.body, new, patch)
         if written is None:
             return  # the RLJob is gone
         ctx.state.remember(ctx.key, written)
@@ -766,33 +733,6 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
     if new.phase:
         ctx.state.phases[ctx.key] = new.phase
         metrics.set_phase_counts(ctx.state.phases)
-
-
-async def write_status(
-    kube: adapter.Kube, body: dict[str, Any], new: api.RLJobStatus, patch: dict[str, Any]
-) -> dict[str, Any] | None:
-    """Patch the status computed from `body`, only if the RLJob is still at `body`'s resourceVersion.
-
-    A 409 Conflict means it changed since (a spec edit, another writer): the RLJob is read again
-    and the same new status is written as a patch against what is stored now, once; a second
-    conflict raises (the job's API backoff retries). Returns the RLJob as stored after the write,
-    or None when it is gone."""
-    meta = body.get("metadata") or {}
-    namespace, name = meta.get("namespace", ""), meta.get("name", "")
-    try:
-        return await kube.patch_status(namespace, name, patch, meta.get("resourceVersion"))
-    except Exception as exc:
-        if not adapter.is_conflict(exc):
-            raise
-    fresh = await kube.read_rljob(namespace, name)
-    if fresh is None:
-        return None
-    again = status.status_patch(dict(fresh.get("status") or {}), new)
-    if again is None:
-        return fresh
-    return await kube.patch_status(
-        namespace, name, again, (fresh.get("metadata") or {}).get("resourceVersion")
-    )
 
 
 def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> bool:
