@@ -60,8 +60,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 # ---- helpers ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def crd(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+    cluster.apply_crds(REPO / "crds")  # retries the wait: right after a create it can fail at once
 
 
 @pytest.fixture
