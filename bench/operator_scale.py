@@ -29,6 +29,12 @@ admits their Workloads, and create -> all pods includes the admission.
 
     .venv/bin/python bench/operator_scale.py --quick
     .venv/bin/python bench/operator_scale.py --jobs 500 --nodes 1000 --baseline main
+    .venv/bin/python bench/operator_scale.py --foreign-pods 5000 --jobs 20 --baseline main
+
+`--foreign-pods N` measures something else: the idle operator (`--jobs` jobs Running) in a
+namespace that also holds N pods that are not its own (gated, so nothing schedules or runs them),
+against the same with none, each side on a fresh cluster: its server-side label selectors should
+make the N pods cost it nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -459,6 +466,140 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
     return result
 
 
+# ---- --foreign-pods: the idle operator in a cluster full of other pods ------------------------------
+FOREIGN_LABELS = {"app": "foreign"}
+FOREIGN_THREADS = 16
+
+
+def foreign_pod(i: int) -> dict[str, Any]:
+    """Another tenant's pod in the jobs' namespace: never scheduled (a scheduling gate), so the
+    scheduler and the kubelet do nothing for it; only a watch that lists every pod sees it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"foreign-{i:05d}", "labels": dict(FOREIGN_LABELS)},
+        "spec": {
+            "schedulingGates": [{"name": "bench.rljob.io/never"}],
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "registry.local/foreign",
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        },
+    }
+
+
+def create_foreign_pods(cluster: LocalCluster, count: int) -> float:
+    """`count` foreign pods, created in parallel; returns the seconds it took."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api_client())
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(FOREIGN_THREADS) as pool:
+        list(pool.map(lambda i: core.create_namespaced_pod(NAMESPACE, foreign_pod(i)), range(count)))
+    return time.monotonic() - t0
+
+
+@dataclass
+class IdleResult:
+    label: str
+    foreign_pods: int
+    startup_s: float = 0.0
+    idle_cpu_pct: float = 0.0
+    idle_rss_mib: float = 0.0
+    idle_operator_calls_per_s: float = 0.0
+    not_running: int = 0
+
+    def row(self) -> str:
+        started = (
+            f"{self.startup_s:.1f}" if math.isfinite(self.startup_s) else f"{self.not_running} not Running"
+        )
+        cells = [
+            self.label,
+            self.foreign_pods,
+            started,
+            f"{self.idle_cpu_pct:.2f}",
+            f"{self.idle_rss_mib:.0f}",
+        ]
+        return "| " + " | ".join(map(str, [*cells, f"{self.idle_operator_calls_per_s:.2f}"])) + " |"
+
+
+def run_idle_side(side: Side, args: argparse.Namespace, foreign: int) -> IdleResult:
+    """A fresh cluster with `foreign` other pods in the namespace before the operator starts, then
+    `args.jobs` RLJobs Running; the idle operator's CPU and RSS over `args.idle_seconds`."""
+    from kubernetes import client
+
+    result = IdleResult(side.label, foreign)
+    with LocalCluster.create(node_monitor_grace_period_s=NODE_GRACE_S) as cluster:
+        cluster.apply_crds(side.crd, timeout_s=120)
+        cluster.create_namespace(NAMESPACE)
+        cluster.add_nodes(2 * args.jobs, name_prefix="bench", labels={"pool": "bench"})  # 2 pods a job
+        made_s = create_foreign_pods(cluster, foreign)
+        print(f"[{side.label}, {foreign} foreign pods] created them in {made_s:.1f}s", flush=True)
+        t0 = time.monotonic()
+        proc = start_operator(cluster, side, args.metrics_port, leader_election=args.leader_election)
+        custom = client.CustomObjectsApi(cluster.api_client())
+        watcher = Watcher(cluster)
+        watcher.start()
+        try:
+            names = [f"job-{i:04d}" for i in range(args.jobs)]
+            for name in names:
+                custom.create_namespaced_custom_object(
+                    "rljob.io", "v1alpha1", NAMESPACE, "rljobs", rljob(name)
+                )
+            running = lambda: all(watcher.phases.get(n) == "Running" for n in names)  # noqa: E731
+            if wait_until("every job Running", running, args.timeout, proc):
+                result.startup_s = time.monotonic() - t0
+            else:  # measured all the same: what the operator costs while it cannot keep up
+                result.startup_s = math.inf
+                result.not_running = sum(1 for n in names if watcher.phases.get(n) != "Running")
+            time.sleep(args.settle_seconds)
+            op0, cpu0, w0 = operator_requests(args.metrics_port), cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(args.idle_seconds)
+            cpu1, w1, op1 = cpu_seconds(proc.pid), time.monotonic(), operator_requests(args.metrics_port)
+            result.idle_rss_mib = rss_mib(proc.pid)
+            result.idle_cpu_pct = 100 * (cpu1 - cpu0) / (w1 - w0)
+            result.idle_operator_calls_per_s = (op1 - op0) / (w1 - w0)
+        finally:
+            watcher.stop.set()
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return result
+
+
+def foreign_pods_main(args: argparse.Namespace, sides: list[Side]) -> int:
+    """`--foreign-pods N`: per side, the idle operator with no other pod, then with N; the ratios."""
+    results: list[IdleResult] = []
+    for side in [s for s in sides if not s.kueue]:
+        for foreign in (0, args.foreign_pods):
+            results.append(run_idle_side(side, args, foreign))
+            print(results[-1].row(), flush=True)  # partial results survive a later failure
+    print()
+    print(f"{args.jobs} RLJobs Running, idle {args.idle_seconds:.0f} s, the chart's settings")
+    print()
+    print("| operator | foreign pods | all Running after s | idle CPU % core | idle RSS MiB | idle calls/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(r.row())
+    for none, many in zip(results[::2], results[1::2], strict=True):
+        cpu = many.idle_cpu_pct / none.idle_cpu_pct if none.idle_cpu_pct else float("nan")
+        print(f"{none.label}: {args.foreign_pods} foreign pods / none: idle CPU x{cpu:.2f}, "
+              f"RSS x{many.idle_rss_mib / max(none.idle_rss_mib, 1e-9):.2f}")  # fmt: skip
+    return 1 if any(r.not_running for r in results) else 0
+
+
 # ---- report ----------------------------------------------------------------------------------------
 def report(results: list[Result], args: argparse.Namespace) -> None:
     print()
@@ -527,6 +668,13 @@ def main() -> int:
     ap.add_argument("--settle-seconds", type=float, default=10, help="wait after all Running before idling")
     ap.add_argument("--metrics-port", type=int, default=18080)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument(
+        "--foreign-pods",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: the idle operator (--jobs jobs) with no other pod, then with N other pods",
+    )
     args = ap.parse_args()
     # SIGTERM (a timeout) unwinds like Ctrl-C: the control planes and the operator are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -542,6 +690,8 @@ def main() -> int:
         sides.append(
             Side(args.baseline, base / "operator", base / "helm" / "rljob" / "values.yaml", base / CRD)
         )
+    if args.foreign_pods:
+        return foreign_pods_main(args, sides)
     results = []
     for side in sides:
         results.append(run_side(side, args))

@@ -30,6 +30,9 @@ for _ in $(seq 1 60); do
   sleep 1
 done
 
+# The jobs run in `default`, held to PodSecurity `restricted` as a shared cluster's tenants are.
+kubectl label namespace default pod-security.kubernetes.io/enforce=restricted --overwrite
+
 for example in examples/qwen3.5-4b-gsm8k-adaptive.yaml examples/tiny-cpu.yaml; do
   echo "==> rljob plan -f $example"
   .venv/bin/rljob plan -f "$example"
@@ -60,7 +63,7 @@ kubectl get rljobs -o wide
 echo "==> the driver's last lines (trainer pod 0; logs: .rljob/cluster/run/pod-logs/)"
 tail -n 2 .rljob/cluster/run/pod-logs/default_tiny-cpu-trainer-0.log | cut -c1-200
 echo "==> pods, services, configmaps and RBAC the operator created"
-kubectl get pods,services,configmaps,serviceaccounts,roles,rolebindings -l rljob.io/job=tiny-cpu -o wide
+kubectl get pods,services,configmaps,serviceaccounts,roles,rolebindings,networkpolicies -l rljob.io/job=tiny-cpu -o wide
 echo "==> status.plan"
 kubectl get rljob tiny-cpu -o jsonpath='{.status.plan}'; echo
 echo

@@ -53,6 +53,13 @@ class InvalidModelConfigError(EstimatorError):
     reason = "InvalidModelConfig"
 
 
+class PlanningTimeoutError(EstimatorError):
+    """Planning ran past its time limit (`reconcile.guards.PLAN_TIMEOUT_S`): the config is beyond what the
+    estimator can size in time; a new spec generation is planned afresh."""
+
+    reason = "PlanningTimeout"
+
+
 class InvalidPlanRequestError(EstimatorError):
     """The plan request (accelerators, lengths, batch) is inconsistent."""
 

@@ -41,6 +41,7 @@ import kopf
 from rljob_operator import api, names
 from rljob_operator.decide import admission, lifecycle
 from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.reconcile.guards import api_backoff_s
 from rljob_operator.reconcile.state import State
 from rljob_operator.reconcile.steps import RETRY_WAITING_S, reconcile_job
 from rljob_trainer import telemetry
@@ -94,6 +95,12 @@ async def rljob_startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = adapter.API_THREADS
+    # Server-side label selectors (kopf sends them as the LIST's and the WATCH's labelSelector,
+    # _cogs/clients/fetching.py and watching.py): the apiserver sends only our jobs' pods and
+    # telemetry ConfigMaps, so a cluster full of other pods costs the operator nothing. The
+    # handlers' `labels=` filters below are kopf's client-side ones, kept as the same rule.
+    for resource, selector in WATCH_SELECTORS.items():
+        settings.watching.label_selectors[resource] = selector
     # First what may fail (a busy port): kopf retries the startup, which must not leave a second
     # API client or resync loop behind.
     # kopf logs every event handler's success at INFO: one line per watch event is noise, not news.
@@ -161,7 +168,15 @@ async def rljob_cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 POD_LABELS = {names.LABEL_JOB: kopf.PRESENT, names.LABEL_MANAGED_BY: names.MANAGED_BY}
-TELEMETRY_LABELS = {names.LABEL_ROLE: names.ROLE_TELEMETRY}
+TELEMETRY_LABELS = {names.LABEL_ROLE: names.ROLE_TELEMETRY, names.LABEL_MANAGED_BY: names.MANAGED_BY}
+#: The same rules as Kubernetes label selectors, per (version, plural) kopf watches.
+WATCH_SELECTORS = {
+    ("v1", "pods"): f"{names.LABEL_JOB},{names.LABEL_MANAGED_BY}={names.MANAGED_BY}",
+    (
+        "v1",
+        "configmaps",
+    ): f"{names.LABEL_ROLE}={names.ROLE_TELEMETRY},{names.LABEL_MANAGED_BY}={names.MANAGED_BY}",
+}
 
 
 # Indexes are what a reconcile observes; the `on.event` handlers below are what makes a job due.
@@ -364,9 +379,9 @@ async def _resync_loop(state: State, indexes: _Indexes) -> None:
                 telemetry_index=indexes.telemetry,
                 nodes_index=indexes.nodes,
             )
-        except Exception as exc:  # the status write itself failed (API down): try again later
+        except Exception as exc:  # the status write itself failed (API down): back off
             log.warning(f"reconcile of {key} failed: {type(exc).__name__}: {exc}")
-            retry_s = RETRY_WAITING_S
+            retry_s = api_backoff_s(state, key, exc) if adapter.is_api_error(exc) else RETRY_WAITING_S
         finally:
             running.pop(key, None)
             due.wake()  # a slot is free

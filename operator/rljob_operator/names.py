@@ -32,6 +32,8 @@ ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
 ROLE_CONFIG = "config"
 ROLE_TELEMETRY = "telemetry"
+ROLE_RAY_AUTH = "ray-auth"
+ROLE_FENCE = "network"
 
 # Mount point of the `<job>-config` ConfigMap (docs/contracts.md §2: RLJOB_CONFIG_PATH lives here).
 CONFIG_MOUNT_DIR = "/etc/rljob"
@@ -174,6 +176,20 @@ def role_binding_name(job: str) -> str:
     return job
 
 
+def ray_auth_secret_name(job: str, uid: str | None) -> str:
+    """`<job>-ray-auth-<uid[:8]>`: the Secret holding the job's Ray token. The RLJob's uid is in the
+    name so that a Secret an earlier RLJob of the same name left (deleted, not yet collected) is
+    never taken for this job's: the operator may create Secrets but never read them (the chart
+    grants no `get` on Secrets), so a name taken is always this job's own. Offline (`rljob render`,
+    no uid) the suffix is left out."""
+    return f"{job}-ray-auth-{uid[:8]}" if uid else f"{job}-ray-auth"
+
+
+def network_policy_name(job: str) -> str:
+    """The job's NetworkPolicy: the job's own name."""
+    return job
+
+
 def ray_head_host(job: str, namespace: str) -> str:
     """DNS name of trainer pod 0 through the headless Service: `<job>-trainer-0.<job>.<ns>.svc`."""
     return f"{trainer_pod_name(job, 0)}.{service_name(job)}.{namespace}.svc"
@@ -187,6 +203,11 @@ def selector_labels(job: str) -> dict[str, str]:
 def object_labels(job: str, role: str) -> dict[str, str]:
     """Labels on a non-pod object of a job (ConfigMaps, Service, RBAC)."""
     return {LABEL_JOB: job, LABEL_ROLE: role, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def job_pod_selector(job: str) -> dict[str, str]:
+    """The labels every pod of a job carries (whatever its role): what its NetworkPolicy selects."""
+    return {LABEL_JOB: job, LABEL_MANAGED_BY: MANAGED_BY}
 
 
 def pod_labels(job: str, role: str, index: int) -> dict[str, str]:

@@ -60,8 +60,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 # ---- helpers ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def crd(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=60s")
+    cluster.apply_crds(REPO / "crds")  # retries the wait: right after a create it can fail at once
 
 
 @pytest.fixture
@@ -158,6 +157,46 @@ def check_console_mid_run(cluster: Any, namespace: str, job: str, env: dict[str,
     assert "kubectl-rljob" in listed.stdout, listed.stdout + listed.stderr
 
 
+STRANGER = (
+    "import ray\n"
+    "ray.init(address='127.0.0.1:{port}', log_to_driver=False)\n"
+    "print('JOINED', ray.cluster_resources())\n"
+)
+
+
+def start_stranger(cluster: Any, namespace: str, job: str, tmp_path: Path) -> subprocess.Popen[str]:
+    """A Ray client without the job's token (another tenant's pod: no RAY_AUTH_TOKEN, no
+    ~/.ray/auth_token) trying the job's head while it trains (started early: Ray's client takes
+    its time to give up, and the job must still be running to refuse it)."""
+    port = wait_for("the job's Ray head port", lambda: cluster.kubelet.ray_port(namespace, job), 60)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(tmp_path / "stranger")
+    return subprocess.Popen(
+        [sys.executable, "-c", STRANGER.format(port=port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def check_stranger_refused(stranger: subprocess.Popen[str], cluster: Any, namespace: str, job: str) -> None:
+    """The stranger was refused by the head (Ray's AuthenticationError), while the job went on (the
+    caller then sees it reach Succeeded); the token is in no pod spec and not in the status."""
+    out, err = stranger.communicate(timeout=240)
+    assert stranger.returncode != 0 and "JOINED" not in out, out
+    assert "InvalidAuthToken" in err or "AuthenticationError" in err, err[-3000:]
+    refusal = next(
+        line for line in err.splitlines() if "AuthenticationError" in line or "InvalidAuthToken" in line
+    )
+    note(f"ray client without the token: refused ({refusal.strip()[:160]})\n")
+    head = cluster.get_json("pod", f"{job}-trainer-0", namespace=namespace)
+    env_of_head = {e["name"]: e for e in head["spec"]["containers"][0]["env"]}
+    assert "secretKeyRef" in env_of_head["RAY_AUTH_TOKEN"]["valueFrom"]
+    status = json.dumps((cluster.get_json("rljob", job, namespace=namespace) or {}).get("status"))
+    assert "auth_token" not in status and "RAY_AUTH" not in status
+
+
 def check_what_the_run_leaves(status: dict[str, Any], namespace: str, job: str, env: dict[str, str]) -> None:
     """The final Hugging Face export (`status.progress.exportPath`) and the TensorBoard event files."""
     export = Path(status["progress"]["exportPath"])
@@ -193,6 +232,9 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
     """The tiny job from apply to Succeeded, watched the ways a user watches it (`kubectl get -w`,
     `rljob status`/`logs`, the kubectl plugin), and what it leaves behind."""
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    # The job's namespace holds its pods to PodSecurity `restricted`, enforced by the apiserver.
+    labels = cluster.get_json("namespace", namespace)["metadata"]["labels"]
+    assert labels.get("pod-security.kubernetes.io/enforce") == "restricted", labels
     env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
     env["PATH"] = f"{BIN}{os.pathsep}{Path(cluster.bins['kubectl']).parent}{os.pathsep}{env.get('PATH', '')}"
     manifest = yaml.safe_load(TINY.read_text())
@@ -201,6 +243,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
     pod_names = [f"{job}-trainer-0", f"{job}-trainer-1"]
     watch_file = tmp_path / "steps.txt"
     watcher: subprocess.Popen[bytes] | None = None
+    stranger: subprocess.Popen[str] | None = None
     started = time.monotonic()
     args = ["run", "--standalone", "--namespace", namespace, "-m", "rljob_operator.handlers"]
     try:
@@ -236,7 +279,9 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             items = wait_for("2 trainer pods on the local-exec node", running, 90, interval_s=1.0)
             for pod in items:
                 assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "rljob_trainer"]
+            stranger = start_stranger(cluster, namespace, job, tmp_path)
             check_console_mid_run(cluster, namespace, job, env)
+            check_stranger_refused(stranger, cluster, namespace, job)
 
             # `rljob logs -f` follows until the driver exits (the job's last step), then returns.
             follow_from = time.monotonic()
@@ -296,8 +341,9 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             )
             delete_job_and_wait(cluster, namespace, job)
     finally:
-        if watcher is not None and watcher.poll() is None:
-            watcher.kill()
+        for proc in (watcher, stranger):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false", check=False)
 
 

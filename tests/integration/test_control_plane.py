@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from testenv.cluster import LocalCluster
+from testenv.cluster import LocalCluster, restricted
 from testenv.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -71,7 +71,9 @@ def test_deployment_gets_replicaset_and_running_pods(cluster: LocalCluster, name
             "selector": {"matchLabels": {"app": "web"}},
             "template": {
                 "metadata": {"labels": {"app": "web"}},
-                "spec": {"nodeSelector": {"pool": pool}, "containers": [{"name": "web", "image": "nginx"}]},
+                "spec": restricted(
+                    {"nodeSelector": {"pool": pool}, "containers": [{"name": "web", "image": "nginx"}]}
+                ),
             },
         },
     }
@@ -96,20 +98,22 @@ def _gpu_pod(name: str, pool: str, gpus: int) -> str:
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"pool": pool},
-                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "trainer",
-                        "resources": {
-                            "limits": {"nvidia.com/gpu": str(gpus)},
-                            "requests": {"nvidia.com/gpu": str(gpus)},
-                        },
-                    }
-                ],
-            },
+            "spec": restricted(
+                {
+                    "nodeSelector": {"pool": pool},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "trainer",
+                            "resources": {
+                                "limits": {"nvidia.com/gpu": str(gpus)},
+                                "requests": {"nvidia.com/gpu": str(gpus)},
+                            },
+                        }
+                    ],
+                }
+            ),
         }
     )
 

@@ -26,7 +26,7 @@ from test_operator import CRD, condition, job_status, operator, pods, rljob
 
 from rljob_operator import builders
 from rljob_operator.builders import podgroup, rbac
-from testenv.cluster import LocalCluster
+from testenv.cluster import LocalCluster, restricted
 from testenv.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -47,16 +47,18 @@ def gpu_pod(name: str, namespace: str, pool: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "nodeSelector": {"pool": pool},
-            "containers": [
-                {
-                    "name": "c",
-                    "image": "registry.local/none",
-                    "resources": {"requests": {"nvidia.com/gpu": "8"}, "limits": {"nvidia.com/gpu": "8"}},
-                }
-            ],
-        },
+        "spec": restricted(
+            {
+                "nodeSelector": {"pool": pool},
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "registry.local/none",
+                        "resources": {"requests": {"nvidia.com/gpu": "8"}, "limits": {"nvidia.com/gpu": "8"}},
+                    }
+                ],
+            }
+        ),
     }
 
 

@@ -53,6 +53,8 @@ NAMESPACED_RULES: Rules = {
     ("", "serviceaccounts"): {"get", "create"},
     (RBAC_GROUP, "roles"): {"get", "create"},
     (RBAC_GROUP, "rolebindings"): {"get", "create"},
+    ("", "secrets"): {"create"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create"},
     ("", "events"): {"create"},
     ("", "persistentvolumeclaims"): {"get"},
     ("scheduling.k8s.io", "podgroups"): {"get", "create", "delete"},
@@ -75,6 +77,12 @@ ONE_NAMESPACE_CLUSTER_RULES: Rules = {**CLUSTER_RULES, ("", "namespaces"): {"lis
 DENIED = [
     ("get", "", "secrets", "", True),
     ("list", "", "secrets", "", True),
+    ("watch", "", "secrets", "", True),
+    ("update", "", "secrets", "", True),
+    ("patch", "", "secrets", "", True),
+    ("delete", "", "secrets", "", True),
+    ("update", "networking.k8s.io", "networkpolicies", "", True),
+    ("delete", "networking.k8s.io", "networkpolicies", "", True),
     ("create", "", "pods", "exec", True),
     ("get", "", "pods", "log", True),
     ("patch", "", "pods", "", True),
@@ -547,8 +555,21 @@ def run_operator_as_service_account(
                 "service/tiny-cpu",
                 "configmap/tiny-cpu-config",
                 "configmap/tiny-cpu-telemetry",
+                "networkpolicy/tiny-cpu",
             ):
                 assert exists(cluster, obj, *job_ns_flag), obj
+            # The Ray token Secret exists (created under the chart's create-only grant), named by
+            # the job's uid; the chart's metrics namespace may scrape the driver's port.
+            uid = cluster.kubectl(
+                "get", "rljob/tiny-cpu", *job_ns_flag, "-o", "jsonpath={.metadata.uid}"
+            ).stdout
+            assert exists(cluster, f"secret/tiny-cpu-ray-auth-{uid[:8]}", *job_ns_flag)
+            fence = json.loads(
+                cluster.kubectl("get", "networkpolicy/tiny-cpu", *job_ns_flag, "-o", "json").stdout
+            )
+            sources = [peer for rule in fence["spec"]["ingress"] for peer in rule["from"]]
+            monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+            assert {"namespaceSelector": monitoring} in sources
             wait_for(
                 "a status phase",
                 lambda: (

@@ -18,6 +18,7 @@ import test_operator as base
 import yaml
 from test_operator import TINY_CONFIG, apply, condition, job_status, operator, pods, rljob, running_pods
 
+from testenv.cluster import restricted
 from testenv.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -125,10 +126,12 @@ def test_the_schedulers_message_reaches_the_rljob(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "blocker"},
-        "spec": {
-            "nodeSelector": {"pool": pool_name},
-            "containers": [{"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "8"}}}],
-        },
+        "spec": restricted(
+            {
+                "nodeSelector": {"pool": pool_name},
+                "containers": [{"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "8"}}}],
+            }
+        ),
     }
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(blocker))
     wait_for("blocker running", lambda: (cluster.get_json("pod", "blocker", namespace=namespace) or {})

@@ -91,6 +91,24 @@ class Component:
         return "\n".join(text[-lines:])
 
 
+# Pod Security admission (built into kube-apiserver): a namespace labelled `enforce: restricted`
+# refuses any pod that could run as root, escalate privileges, keep capabilities or skip seccomp.
+POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
+POD_SECURITY_RESTRICTED = "restricted"
+
+
+def restricted(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """`pod_spec` with what the `restricted` level asks of every pod and container, for the tests'
+    own raw pods (the operator's pods carry their own, builders.pods)."""
+    out = {**pod_spec, "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}}  # fmt: skip
+    out["containers"] = [
+        {**c, "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+        for c in pod_spec["containers"]
+    ]
+    return out
+
+
 @dataclass
 class LocalCluster:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and a fake kubelet."""
@@ -405,8 +423,14 @@ class LocalCluster:
 
     # ---- namespaces and fake accelerator nodes -----------------------------------------------
 
-    def create_namespace(self, name: str, timeout_s: float = 30) -> str:
+    def create_namespace(
+        self, name: str, timeout_s: float = 30, *, pod_security: str | None = POD_SECURITY_RESTRICTED
+    ) -> str:
+        """A namespace whose pods the apiserver's Pod Security admission holds to `pod_security`
+        (`restricted` by default, as a shared cluster's tenant namespaces are; None: no label)."""
         self.kubectl("create", "namespace", name)
+        if pod_security:
+            self.kubectl("label", "namespace", name, f"{POD_SECURITY_ENFORCE}={pod_security}")
         self._wait_default_service_account(name, time.monotonic() + timeout_s)
         return name
 

@@ -22,6 +22,14 @@ in materialised JSON/YAML under a volume's `mountPath` rewritten to the folder; 
 PVCs bound to a hostPath or local PV as that folder of this machine; the pod's
 ServiceAccount as a kubeconfig holding a token bound to the pod from the TokenRequest API (so
 the job's least-privilege Role is all the process gets, never the admin's credentials).
+What it can of a container's sandbox it honours, never more permissive than a kubelet: with
+`readOnlyRootFilesystem` the image's filesystem (HOME, the working directory, TMPDIR without a
+/tmp volume) is a path nothing can be written under, so only volumes are writable; a
+disk-backed emptyDir that outgrows its `sizeLimit` gets the pod evicted as the kubelet's eviction
+manager does (killed, Failed, reason Evicted, "Usage of EmptyDir volume ... exceeds the limit").
+What it cannot: absolute paths outside the volumes (a literal /tmp) reach this machine's files,
+runAsUser is not applied (the processes run as this user), and memory-backed emptyDirs, the pod's
+memory and CPU limits and its network (see below) are not fenced.
 
 All local pods share the host network: `RLJOB_RAY_HEAD` becomes 127.0.0.1, each job (label
 `rljob.io/job`) gets one free `RLJOB_RAY_PORT` shared by its pods, and `RAY_ADDRESS` and a
@@ -62,13 +70,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
 
 from testenv import kubelet_logs
 
@@ -178,6 +187,12 @@ DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 FALLBACK_LOG_LINES = 80  # FallbackToLogsOnError: the kubelet keeps the log's last 80 lines / 2048 bytes
 FALLBACK_LOG_BYTES = 2048
 HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "USER", "LOGNAME", "SHELL", "TZ")
+STORAGE_CHECK_S = 2.0  # the kubelet's eviction manager looks every 10 s; a test cannot wait that long
+# With readOnlyRootFilesystem the image's filesystem is read-only: a path that exists on no volume
+# stands for it here (HOME, the working directory, TMPDIR without a /tmp volume). Nothing can be
+# created under /proc, not even by root, so a write there fails as it would in the container.
+READ_ONLY_ROOT = "/proc/rljob-read-only-root"
+READ_ONLY_CWD = "/proc"
 PYTHON_NAMES = ("python", "python3")
 
 
@@ -219,19 +234,25 @@ def accelerator_resources(manifest: dict[str, Any]) -> list[str]:
 
 
 RAY_START_ARGS_ENV = "RLJOB_FAKELET_RAY_START_ARGS"
+RAY_HEAD_MODULE = "rljob_trainer.ray_head"
 # Ray's `ray start` binds a few fixed ports (dashboard 8265, client server 10001, dashboard agent
 # 52365): right in a pod of its own, a collision between two jobs on one host. The pod's command
 # is the trainer's, so this hook (on PYTHONPATH) adds free ports to any `ray start` it runs.
 RAY_START_HOOK = f"""# written by testenv.fakelet for pods of local-exec nodes
 import os, sys
-if len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "ray" and sys.argv[1] == "start":
+_cli = len(sys.argv) > 1 and os.path.basename(sys.argv[0]) == "ray" and sys.argv[1] == "start"
+# the trainer's head: `python -m {RAY_HEAD_MODULE} --head ...` (Ray's `start`, no client server)
+_head = getattr(sys, "orig_argv", [])[1:3] == ["-m", "{RAY_HEAD_MODULE}"]
+if _cli or _head:
     for arg in os.environ.get("{RAY_START_ARGS_ENV}", "").split():
         name = arg.split("=", 1)[0]
-        head_only = name in ("--dashboard-port", "--ray-client-server-port")
+        head_only = name == "--dashboard-port"
         if (not head_only or "--head" in sys.argv) and not any(a.startswith(name) for a in sys.argv):
             sys.argv.append(arg)
 """
-RAY_PORT_FLAGS = ("dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port")
+# No --ray-client-server-port: a head given one would start the client server the trainer's
+# head leaves out (rljob_trainer.ray_head).
+RAY_PORT_FLAGS = ("dashboard-port", "dashboard-agent-listen-port")
 ENV_RAY_HEAD = "RLJOB_RAY_HEAD"  # docs/contracts.md §2
 ENV_RAY_PORT = "RLJOB_RAY_PORT"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -251,6 +272,16 @@ def _write_items(files: dict[str, bytes], items: Any, into: Path) -> None:
         path = into / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(files[key])
+
+
+def _used_bytes(folder: Path) -> int:
+    """What a volume holds on disk (allocated blocks, as `du` and the kubelet's volume stats count)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 def _session_of(pid: str) -> int | None:
@@ -304,6 +335,9 @@ class LocalPod:
     started_at: str = ""
     stopping: bool = False
     termination_log: Path | None = None
+    # (volume name, folder, sizeLimit as written) of its disk-backed emptyDirs with a sizeLimit
+    limited: list[tuple[str, Path, str]] = field(default_factory=list)
+    evicted: bool = False
 
 
 def _session(local: LocalPod) -> int | None:
@@ -675,7 +709,10 @@ class FakeKubelet:
         started_at: str | None = None,
         container_id: str = "fake",
         message: str | None = None,
+        evicted: str | None = None,
     ) -> None:
+        """End the pod with `exit_code`; `evicted`: the kubelet's eviction message (the pod's
+        status then has reason Evicted and that message, as `evictPod` writes them)."""
         name, namespace = pod.metadata.name, pod.metadata.namespace
         now = _rfc3339(_now())
         reason = "Completed" if exit_code == 0 else "Error"
@@ -709,13 +746,15 @@ class FakeKubelet:
             }
             for kind in ("ContainersReady", "Ready")
         ]
-        body = {
+        body: dict[str, Any] = {
             "status": {
                 "phase": "Succeeded" if exit_code == 0 else "Failed",
                 "containerStatuses": statuses,
                 "conditions": conditions,
             }
         }
+        if evicted:
+            body["status"].update(reason="Evicted", message=evicted)
         self._core.patch_namespaced_pod_status(name, namespace, body)
 
     # ---- local-exec pods -------------------------------------------------------------------------
@@ -821,14 +860,37 @@ class FakeKubelet:
         log.info("local pod %s/%s started as pid %s", local.namespace, local.name, local.process.pid)
         with contextlib.suppress(ApiException):
             self._set_running(pod, ip=LOCAL_POD_IP, container_id="local")
+        if local.limited:
+            self._spawn_thread(self._watch_storage, pod, local, name=f"fakelet-storage-{pod.metadata.name}")
         self._watch_exit(pod, local)
+
+    def _watch_storage(self, pod: Any, local: LocalPod) -> None:
+        """The kubelet's eviction manager for emptyDir sizeLimits: a pod whose disk-backed emptyDir
+        holds more than its limit is killed at once and ends Failed, reason Evicted, with the
+        kubelet's message (pkg/kubelet/eviction: emptyDirLimitEviction, evictPod)."""
+        limits = [(name, folder, spec, parse_quantity(spec)) for name, folder, spec in local.limited]
+        while local.process is not None and local.process.poll() is None and not self._stop.is_set():
+            for name, folder, spec, limit in limits:
+                if _used_bytes(folder) > limit:
+                    # Go's %q quoting, as in the kubelet's emptyDirMessageFmt
+                    quoted = json.dumps(name), json.dumps(spec)
+                    message = "Usage of EmptyDir volume {} exceeds the limit {}. ".format(*quoted)
+                    log.info("local pod %s/%s evicted: %s", local.namespace, local.name, message)
+                    local.evicted = True
+                    kill_pod_processes(local, grace_s=1.0)
+                    with contextlib.suppress(ApiException):
+                        self._set_terminated(
+                            pod, 137, started_at=local.started_at, container_id="local", evicted=message
+                        )
+                    return
+            self._stop.wait(STORAGE_CHECK_S)
 
     def _watch_exit(self, pod: Any, local: LocalPod) -> None:
         assert local.process is not None
         code = local.process.wait()
         exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
         log.info("local pod %s/%s exited with %s", local.namespace, local.name, exit_code)
-        if not (local.stopping or self._stop.is_set()):
+        if not (local.stopping or local.evicted or self._stop.is_set()):
             message = self._termination_message(pod, local, exit_code)
             with contextlib.suppress(ApiException):
                 self._set_terminated(
@@ -870,6 +932,11 @@ class FakeKubelet:
             if not self._stop.is_set():
                 log.exception("confirming the deletion of pod %s", pod.metadata.name)
 
+    def ray_port(self, namespace: str, job: str) -> int | None:
+        """The loopback port of job `namespace/job`'s Ray head here (None before its first pod)."""
+        with self._lock:
+            return self._job_ports.get((namespace, job))
+
     def _job_port(self, namespace: str, job: str) -> int:
         with self._lock:
             port = self._job_ports.get((namespace, job))
@@ -888,13 +955,16 @@ class FakeKubelet:
         local.termination_log.touch()
         mounts.append((message_path, str(local.termination_log)))
         mounts.sort(key=lambda m: len(m[0]), reverse=True)
+        context = container.security_context
+        read_only = bool(context is not None and context.read_only_root_filesystem)
+        image_root = READ_ONLY_ROOT if read_only else str(local.folder)
         env = {k: os.environ[k] for k in HOST_ENV_KEEP if k in os.environ}
         env["PATH"] = os.pathsep.join([os.path.dirname(self._python), env.get("PATH", "/usr/bin:/bin")])
-        env["HOME"] = str(local.folder)
+        env["HOME"] = image_root  # the image's home, read-only with readOnlyRootFilesystem
         env["HOSTNAME"] = pod.spec.hostname or local.name
         env["PYTHONUNBUFFERED"] = "1"
         tmp = rewrite_path("/tmp", mounts)
-        env["TMPDIR"] = tmp if tmp != "/tmp" else str(local.folder)
+        env["TMPDIR"] = tmp if tmp != "/tmp" else image_root
         for var in container.env or []:
             value = self._env_value(pod, var)
             if value is not None:
@@ -932,7 +1002,9 @@ class FakeKubelet:
         argv = [rewrite_path(_expand(a, env), mounts) for a in argv]
         if argv[0] in PYTHON_NAMES:
             argv[0] = self._python
-        cwd = rewrite_path(container.working_dir, mounts) if container.working_dir else str(local.folder)
+        cwd = rewrite_path(container.working_dir, mounts) if container.working_dir else None
+        if cwd is None or cwd == container.working_dir:  # the image's directory, not a volume
+            cwd = READ_ONLY_CWD if read_only else str(local.folder)
         return argv, env, cwd
 
     def _ray_start_hook(self) -> Path:
@@ -974,6 +1046,9 @@ class FakeKubelet:
                 staging.rename(folder)
             host = folder / mount.sub_path if mount.sub_path else folder
             mounts.append((mount.mount_path, str(host)))
+            empty = volume.empty_dir if volume is not None else None
+            if empty is not None and empty.size_limit and empty.medium != "Memory":
+                local.limited.append((mount.name, folder, str(empty.size_limit)))
         mounts.sort(key=lambda m: len(m[0]), reverse=True)
         for folder in configmap_dirs:
             for path in folder.rglob("*"):

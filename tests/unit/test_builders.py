@@ -101,8 +101,11 @@ def test_pods_have_contract_names_env_and_order() -> None:
         "demo-rollout-1",
     ]
     head = objs[0]
-    env = {e["name"]: e["value"] for e in head["spec"]["containers"][0]["env"]}
-    assert set(env) == set(tc.ALL_ENV_VARS) | {termination.ENV_TERMINATION_LOG}
+    env = {e["name"]: e.get("value") for e in head["spec"]["containers"][0]["env"]}
+    # Besides the trainer contract: Ray's token (from the job's Secret) and the caches' homes on a
+    # volume (the root filesystem is read-only).
+    runtime = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HOME", "XDG_CACHE_HOME", "HF_HOME"}
+    assert set(env) == set(tc.ALL_ENV_VARS) | {termination.ENV_TERMINATION_LOG} | runtime
     assert env[tc.ENV_RAY_HEAD] == "demo-trainer-0.demo.team-a.svc"
     assert env[tc.ENV_NUM_TRAINER_PODS] == "2"
     assert env[tc.ENV_ROLE] == "trainer" and env[tc.ENV_POD_INDEX] == "0"

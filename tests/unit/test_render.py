@@ -20,7 +20,16 @@ def test_every_example_renders_all_its_objects(path: Path, capsys: pytest.Captur
     listing = json.loads(capsys.readouterr().out)
     assert listing["kind"] == "List"
     kinds = [o["kind"] for o in listing["items"]]
-    assert kinds[:6] == ["ServiceAccount", "Role", "RoleBinding", "Service", "ConfigMap", "ConfigMap"]
+    assert kinds[:8] == [
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "NetworkPolicy",
+        "Service",
+        "ConfigMap",
+        "ConfigMap",
+    ]
     pods = [o for o in listing["items"] if o["kind"] == "Pod"]
     job = api.load_manifests(path.read_text())[0]["metadata"]["name"]
     assert pods and pods[0]["metadata"]["name"] == names.pod_name(job, names.ROLE_TRAINER, 0)

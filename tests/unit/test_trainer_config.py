@@ -131,6 +131,7 @@ def test_sync_report_json_is_camel_case():
         "exportPath",
         "checkpointAck",
         "checkpointAckStep",
+        "checkpointFallback",
         "releasedRolloutPods",
         "lostRolloutPods",
         "stalenessMax",

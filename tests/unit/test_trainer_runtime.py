@@ -36,9 +36,10 @@ def test_ray_start_advertises_exactly_the_pods_accelerators():
     assert "--num-gpus=0" in cmd  # Ascend devices are Ray's NPU resource, never GPUs
     assert json.loads(cmd[-2].split("=", 1)[1]) == {"NPU": 2, "rljob_rollout_0": 1}
     head = ray_head_command(gpu)
-    assert head[:3] == ["ray", "start", "--head"] and json.loads(head[-1].split("=", 1)[1]) == {
-        "rljob_trainer_0": 4
-    }
+    assert head[:4] == ["python", "-m", "rljob_trainer.ray_head", "--head"]
+    assert json.loads(head[-1].split("=", 1)[1]) == {"rljob_trainer_0": 4}
+    # The dashboard (and its job-submission API) on loopback only; no Ray client server flag.
+    assert "--dashboard-host=127.0.0.1" in head and not any("0.0.0.0" in a or "client" in a for a in head)
     with pytest.raises(ValueError, match="GPU, NPU"):
         ray_worker_command({**gpu, "RLJOB_RAY_ACCELERATOR": "TPU"}, "trainer", 1)
 

@@ -1,7 +1,8 @@
 """`python -m rljob_trainer`: the entrypoint every pod of an RLJob runs.
 
 Role: read the role from the environment the operator sets (docs/contracts.md §2) and become
-  - trainer pod 0: the Ray head plus the GRPO driver (`rljob_trainer.driver`);
+  - trainer pod 0: the Ray head (`rljob_trainer.ray_head`: no client server, dashboard on
+    127.0.0.1) plus the GRPO driver (`rljob_trainer.driver`);
   - trainer pod i > 0: a Ray worker (`ray start --address=$RLJOB_RAY_HEAD:$RLJOB_RAY_PORT --block`)
     that hosts training ranks (and shared engines);
   - rollout pod j: a Ray worker advertising the custom resource `rljob_rollout_<j>` so the driver
@@ -62,15 +63,19 @@ def ray_worker_command(env: Mapping[str, str], role: str, pod_index: int, ray_bi
     return [ray_bin, "start", f"--address={head}:{port}", *ray_resource_args(env, role, pod_index), "--block"]
 
 
-def ray_head_command(env: Mapping[str, str], ray_bin: str = "ray") -> list[str]:
-    """The `ray start --head` command of trainer pod 0 (pure)."""
+def ray_head_command(env: Mapping[str, str], python: str = "python") -> list[str]:
+    """The `ray start --head` command of trainer pod 0 (pure): through `rljob_trainer.ray_head`, so
+    no Ray client server runs, and with the dashboard (and its job-submission API) on 127.0.0.1
+    only, where `kubectl port-forward` reaches it and no other pod does. The token comes from the
+    pod's RAY_AUTH_MODE and RAY_AUTH_TOKEN (docs/security.md)."""
     port = env.get(config_mod.ENV_RAY_PORT, str(config_mod.DEFAULT_RAY_PORT))
     return [
-        ray_bin,
-        "start",
+        python,
+        "-m",
+        "rljob_trainer.ray_head",
         "--head",
         f"--port={port}",
-        "--dashboard-host=0.0.0.0",
+        "--dashboard-host=127.0.0.1",
         *ray_resource_args(env, config_mod.ROLE_TRAINER, 0),
     ]
 
@@ -85,7 +90,7 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
 
     if env.get(config_mod.ENV_RAY_HEAD):
         # In the cluster: a real head other pods join; this process then attaches as the driver.
-        subprocess.run(ray_head_command(env, _ray_bin()), check=True)
+        subprocess.run(ray_head_command(env, sys.executable), check=True)
         ray.init(address="auto")
     else:
         # Laptop/tests: one private node standing for every pod (their markers as custom resources).

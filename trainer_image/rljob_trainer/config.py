@@ -111,6 +111,11 @@ class ModelSettings(_Model):
     hub_token_env: str | None = Field(
         "HF_TOKEN", description="Name of the env var holding the hub token (source=hub); never the token."
     )
+    hub_revision: str | None = Field(
+        None,
+        description="Branch, tag or commit of the hub repository (source=hub), for the weights and the "
+        "tokenizer in the trainer and in vLLM. Default: the repository's main branch.",
+    )
     hf_config: dict[str, Any] | None = Field(
         None,
         description="The model's Hugging Face config.json as a dict. Required for source=tiny; for other "

@@ -144,6 +144,7 @@ class GRPODriver:
         self._last_sync = clock()
         self._weights: tuple[tuple[int, str], Any] | None = None
         self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
+        self._resume_note: str | None = None  # checkpoints skipped at resume (checkpoint.load_latest)
         self.pipeline = pipeline.RolloutPipeline(
             cfg,
             runtime,
@@ -449,10 +450,13 @@ class GRPODriver:
     # ---- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
         root = self.cfg.checkpoint.dir
-        path = checkpoint.latest_checkpoint(root) if root else None
-        if path is None:
+        found = checkpoint.load_latest(root) if root else None
+        self._resume_note = found.fallback_note() if found else None  # the next SyncReport says it
+        if self._resume_note:
+            log.warning("checkpoint fallback: %s", self._resume_note)
+        if found is None or found.path is None or found.state is None or found.meta is None:
             return
-        state, meta = checkpoint.load_checkpoint(path)
+        path, state, meta = found.path, found.state, found.meta
         self.rt.get([self.rt.submit(r, "set_train_state", state["ranks"]) for r in self.ranks])
         self.state = DriverState(
             step=int(meta["step"]),
@@ -642,7 +646,9 @@ class GRPODriver:
             eval_mean_reward=metrics.get("eval/mean_reward"),
             dropped_prompts=self.dropped_prompts,
             tracker_errors=self.tracker.errors,
+            checkpoint_fallback=self._resume_note,
         )
+        self._resume_note = None
         self.pipeline.trainer_wait_s = 0.0
         self._lost_pods.clear()
         self.state.history = telemetry.append_report(self.state.history, report)

@@ -145,7 +145,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint step directory: `path` itself, or the latest checkpoint under it."""
     p = Path(path)
-    if (p / "meta.json").is_file():
+    if (p / checkpoint.META).is_file():
         return p
     latest = checkpoint.latest_checkpoint(p)
     if latest is None:
@@ -172,7 +172,8 @@ def rebuild_policy(cfg: config_mod.TrainerConfig, trainable: Mapping[str, torch.
 def export_checkpoint(
     checkpoint_dir: str | Path, out: str | Path, *, merge_lora: bool = True
 ) -> dict[str, Any]:
-    """Export a saved checkpoint (`state.pt` + `meta.json`) to `out`; returns the manifest."""
+    """Export a saved checkpoint (`checkpoint`'s safetensors + JSON, verified against its checksums:
+    a corrupt one raises `checkpoint.CheckpointError`, never loads) to `out`; returns the manifest."""
     path = resolve_checkpoint(checkpoint_dir)
     state, meta = checkpoint.load_checkpoint(path)
     cfg = config_mod.parse_config(meta["config"])

@@ -106,7 +106,10 @@ def _source(settings: config_mod.ModelSettings) -> tuple[str, dict[str, Any]]:
         return str(settings.path), {}
     if settings.source == "hub":
         token = os.environ.get(settings.hub_token_env) if settings.hub_token_env else None
-        return str(settings.hub_id), ({"token": token} if token else {})
+        kwargs: dict[str, Any] = {"token": token} if token else {}
+        if settings.hub_revision:  # a pinned commit, never silently main
+            kwargs["revision"] = settings.hub_revision
+        return str(settings.hub_id), kwargs
     raise ValueError(f"model.source {settings.source!r} has no weights to load; build it from hfConfig")
 
 

@@ -66,6 +66,14 @@ class SyncReport(BaseModel):
     checkpoint_ack_step: int | None = Field(
         None, alias="checkpointAckStep", ge=0, description="Step of the checkpoint saved for checkpointAck."
     )
+    checkpoint_fallback: str | None = Field(
+        None,
+        alias="checkpointFallback",
+        max_length=4096,
+        description="In the first report after a resume that skipped corrupt or partial checkpoints: "
+        "which one it resumed from and why it skipped the newer ones (the operator posts it as a "
+        "Warning Event, CheckpointFallback).",
+    )
     released_rollout_pods: list[int] = Field(
         default_factory=list,
         alias="releasedRolloutPods",

@@ -98,6 +98,17 @@ Namespaced rules: granted cluster-wide by a ClusterRole, or per watched namespac
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, create]
+# A job's Ray token (docs/security.md): one Secret per job, created once with a random token and
+# owned by the RLJob (the garbage collector deletes it). Create only: the operator never reads a
+# Secret (the name carries the RLJob's uid, so a name taken is always the job's own), and the pods
+# get the token from the kubelet (secretKeyRef), not from the operator.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+# A job's NetworkPolicy: created once (`get` as for the Service), deleted by the garbage collector.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create]
 # PersistentVolumeClaims a job mounts: read once before an attempt's first pod, to report a
 # missing claim or one whose access modes the job's pods cannot share (never written).
 - apiGroups: [""]

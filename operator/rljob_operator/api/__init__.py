@@ -95,6 +95,7 @@ from rljob_operator.api.job import (
     describe_validation_error,
 )
 from rljob_operator.api.model import (
+    MODEL_CONFIG_LIMITS,
     ConfigMapKeyRef,
     FinetuneSpec,
     HubModelSource,
@@ -105,6 +106,8 @@ from rljob_operator.api.model import (
     PVCPathSource,
     SecretKeyRef,
     TinyModelSource,
+    bound_message,
+    model_config_bound_violations,
 )
 from rljob_operator.api.resources import (
     VLLM_MAX_LORA_RANK,
@@ -141,6 +144,7 @@ __all__ = [
     "GROUP",
     "KIND",
     "LIST_KIND",
+    "MODEL_CONFIG_LIMITS",
     "PHASES",
     "PLURAL",
     "SHORT_NAMES",
@@ -227,9 +231,11 @@ __all__ = [
     "TrackingSpec",
     "WandbTrackingSpec",
     "WeightSyncMode",
+    "bound_message",
     "describe_validation_error",
     "find_condition",
     "format_time",
     "load_manifests",
+    "model_config_bound_violations",
     "set_condition",
 ]

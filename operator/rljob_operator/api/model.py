@@ -105,6 +105,77 @@ class ConfigMapKeyRef(_Spec):
     key: DataKey = Field("config.json", description="Key inside the ConfigMap.")
 
 
+#: Upper bounds on the config.json numbers the estimator multiplies and iterates over: 8 to 16 times
+#: the largest released model (Llama-3.1-405B: 126 layers, hidden 16384; DeepSeek-V3: 256 experts;
+#: Gemma-3: 262144 ids; Llama-4-Scout: 10M positions), so no real config meets them, while one
+#: RLJob can no longer ask the operator for a tuple of ten billion layers (docs/security.md). The
+#: one table: the CRD schema (refused at `kubectl apply`), this model (`rljob validate`) and the
+#: estimator (configs read from a ConfigMap or a preset) all read it.
+MODEL_CONFIG_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 131072,
+    "intermediate_size": 1048576,
+    "moe_intermediate_size": 262144,
+    "vocab_size": 4194304,
+    "num_attention_heads": 2048,
+    "num_key_value_heads": 2048,
+    "head_dim": 8192,
+    "num_experts": 4096,
+    "n_routed_experts": 4096,
+    "num_local_experts": 4096,
+    "num_experts_per_tok": 1024,
+    "max_position_embeddings": 16777216,
+}
+#: Multimodal configs (Qwen3.5, Gemma-3) carry the language model's numbers here.
+TEXT_CONFIG_KEY = "text_config"
+
+
+def _bounded_properties() -> dict[str, Any]:
+    return {
+        key: {
+            "type": "integer",
+            "maximum": limit,
+            "description": "A size the planner multiplies by (docs/security.md).",
+        }
+        for key, limit in MODEL_CONFIG_LIMITS.items()
+    }
+
+
+def _inline_schema() -> dict[str, Any]:
+    """The bounded numbers of an inline config.json as schema properties (everything else open)."""
+    nested = {
+        "type": "object",
+        "additionalProperties": True,
+        "description": "The language model's config of a multimodal model (same bounds).",
+        "properties": _bounded_properties(),
+    }
+    return {"properties": {**_bounded_properties(), TEXT_CONFIG_KEY: nested}}
+
+
+def model_config_bound_violations(config: Any) -> list[tuple[str, int, int]]:
+    """The numbers of `config` (a config.json dict) above `MODEL_CONFIG_LIMITS`, as (key path, value,
+    limit); empty when there are none. Pure; the API model and the estimator both call it."""
+    if not isinstance(config, dict):
+        return []
+    out = []
+    for prefix, part in (("", config), (f"{TEXT_CONFIG_KEY}.", config.get(TEXT_CONFIG_KEY))):
+        if not isinstance(part, dict):
+            continue
+        for key, limit in MODEL_CONFIG_LIMITS.items():
+            value = part.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                out.append((f"{prefix}{key}", value, limit))
+    return out
+
+
+def bound_message(value: int, limit: int) -> str:
+    """The one wording of a bound a config.json number exceeds (the field is named by the caller)."""
+    return (
+        f"{value} is above the limit of {limit} (no released model comes near it): use the model's "
+        "real config.json"
+    )
+
+
 class ModelConfigSource(_Spec):
     """Where the operator reads the model's config.json (architecture and sizes) for planning.
 
@@ -128,13 +199,26 @@ class ModelConfigSource(_Spec):
         "(`rljob plan --help` lists them).",
     )
     inline: dict[str, Any] | None = Field(
-        None, description="The config.json content itself, as an object (any Hugging Face config fields)."
+        None,
+        description="The config.json content itself, as an object (any Hugging Face config fields; the "
+        "sizes the planner multiplies are bounded, see MODEL_CONFIG_LIMITS in docs/security.md).",
+        json_schema_extra=_inline_schema(),
     )
     config_map_ref: ConfigMapKeyRef | None = Field(
         None,
         description="A ConfigMap key holding config.json (create it with kubectl create configmap "
         "--from-file).",
     )
+
+    @model_validator(mode="after")
+    def _inline_within_bounds(self) -> ModelConfigSource:
+        # The CRD schema refuses these at apply; this says the same to `rljob validate`.
+        problems = model_config_bound_violations(self.inline)
+        if problems:
+            raise ValueError(
+                "; ".join(f"spec.model.config.inline.{p}: {bound_message(v, m)}" for p, v, m in problems)
+            )
+        return self
 
 
 class LoRASpec(_Spec):

@@ -18,10 +18,12 @@ from rljob_operator import api, names
 
 @dataclasses.dataclass(frozen=True)
 class JobRef:
-    """One RLJob: its name and namespace (owner references are added by the shell)."""
+    """One RLJob: its name, namespace and uid (None offline: `rljob render`). Owner references are
+    added by the shell; the uid only names what must never be mistaken for an earlier RLJob's."""
 
     name: str
     namespace: str
+    uid: str | None = None
 
     @property
     def key(self) -> str:

@@ -46,7 +46,10 @@ def _model_settings(spec: api.RLJobSpec, model_config: dict[str, Any] | None) ->
         out.update(source="pvc", path=f"{MODEL_MOUNT_DIR}/{src.pvc.path.lstrip('/')}")
     elif src.hub is not None:
         out.update(
-            source="hub", hub_id=src.hub.id, hub_token_env=HF_TOKEN_ENV if src.hub.token_secret_ref else None
+            source="hub",
+            hub_id=src.hub.id,
+            hub_token_env=HF_TOKEN_ENV if src.hub.token_secret_ref else None,
+            hub_revision=src.hub.revision,
         )
     else:
         if not model_config:

@@ -6,9 +6,12 @@ restart count, so pods of an older attempt are recognisable) and the config hash
 trainer.json replaces the pods). The operator's labels are applied last, so user labels never
 override them; the template hash annotation lets the shell detect an out-of-date pod.
 
-Security: non-root, no privilege escalation, all capabilities dropped, seccomp RuntimeDefault.
-Rollout pods get no API token (they never call the API); trainer pods use the job's
-least-privilege ServiceAccount for telemetry (docs/contracts.md §3).
+Security (docs/security.md): what PodSecurity `restricted` admits (non-root, no privilege
+escalation, all capabilities dropped, seccomp RuntimeDefault), plus a read-only root filesystem
+whose writable paths are emptyDirs with sizeLimits (`scratch`), and Ray's token authentication
+(`ray_auth`: every pod reads the job's token from its Secret). Rollout pods get no API token (they
+never call the API); trainer pods use the job's least-privilege ServiceAccount for telemetry
+(docs/contracts.md §3).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator import api, names
-from rljob_operator.builders import configmaps
+from rljob_operator.builders import configmaps, ray_auth, scratch
 from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
 from rljob_trainer import config as tc
 from rljob_trainer import termination
@@ -28,8 +31,8 @@ MODEL_VOLUME = "model"
 DATA_VOLUME = "data"
 REWARD_VOLUME_PREFIX = "reward-"
 TMP_VOLUME = "tmp"
+CACHE_VOLUME = "cache"
 SHM_VOLUME = "dshm"
-RAY_DASHBOARD_PORT = 8265
 METRICS_PORT_NAME = "metrics"
 TRAINER_METRICS_PORT = int(tc.TelemetrySettings().prometheus_port or 9400)
 CPU_DEFAULT = "1"
@@ -57,6 +60,11 @@ def _env(job: JobRef, spec: api.RLJobSpec, role: str, index: int, layout: JobLay
         {"name": tc.ENV_TELEMETRY_CONFIGMAP, "value": names.telemetry_config_map_name(job.name)},
         {"name": tc.ENV_NUM_ACCELERATORS, "value": str(slots)},
         {"name": tc.ENV_RAY_ACCELERATOR, "value": ray_accelerator},
+        # The root filesystem is read-only: HOME and every cache live on the cache emptyDir.
+        {"name": "HOME", "value": f"{scratch.CACHE_MOUNT}/home"},
+        {"name": "XDG_CACHE_HOME", "value": scratch.CACHE_MOUNT},
+        {"name": "HF_HOME", "value": scratch.HF_HOME},
+        *ray_auth.env_vars(job),
     ]
 
 
@@ -80,17 +88,19 @@ def _resources(spec: api.RLJobSpec, accelerators: int) -> dict[str, Any]:
 
 
 def _volumes(
-    job: JobRef, spec: api.RLJobSpec, role: str
+    job: JobRef, spec: api.RLJobSpec, role: str, limits: scratch.ScratchLimits
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": CONFIG_VOLUME, "configMap": {"name": names.config_map_name(job.name)}},
-        {"name": TMP_VOLUME, "emptyDir": {}},
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": limits.tmp}},
+        {"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": limits.cache}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": limits.shm}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": CONFIG_VOLUME, "mountPath": names.CONFIG_MOUNT_DIR, "readOnly": True},
-        {"name": TMP_VOLUME, "mountPath": "/tmp"},
-        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        {"name": TMP_VOLUME, "mountPath": scratch.TMP_MOUNT},
+        {"name": CACHE_VOLUME, "mountPath": scratch.CACHE_MOUNT},
+        {"name": SHM_VOLUME, "mountPath": scratch.SHM_MOUNT},
     ]
     if role == names.ROLE_TRAINER:
         ckpt = spec.checkpoint.volume
@@ -99,9 +109,8 @@ def _volumes(
                 {"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
             )
         else:
-            empty: dict[str, Any] = {}
-            if ckpt.empty_dir is not None and ckpt.empty_dir.size_limit is not None:
-                empty["sizeLimit"] = str(ckpt.empty_dir.size_limit)
+            size = ckpt.empty_dir.size_limit if ckpt.empty_dir is not None else None
+            empty = {"sizeLimit": str(size) if size is not None else limits.checkpoints}
             volumes.append({"name": CHECKPOINT_VOLUME, "emptyDir": empty})
         mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
     model_pvc = spec.model.source.pvc
@@ -159,10 +168,11 @@ def _build_pod(
     accelerators: int,
     attempt: int,
     config_hash: str,
+    limits: scratch.ScratchLimits,
 ) -> dict[str, Any]:
     pool = _pool(spec, role)
     name = names.pod_name(job.name, role, index)
-    volumes, mounts = _volumes(job, spec, role)
+    volumes, mounts = _volumes(job, spec, role, limits)
     env = _env(job, spec, role, index, layout)
     data_hub = spec.data.source.hub
     if role == names.ROLE_TRAINER and data_hub is not None:
@@ -187,7 +197,7 @@ def _build_pod(
             env.append({"name": env_name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     ports = [{"name": "ray-gcs", "containerPort": tc.DEFAULT_RAY_PORT, "protocol": "TCP"}]
     if role == names.ROLE_TRAINER and index == 0:
-        ports.append({"name": "ray-dashboard", "containerPort": RAY_DASHBOARD_PORT, "protocol": "TCP"})
+        # (Ray's dashboard listens on 127.0.0.1 only: `kubectl port-forward` reaches it, no pod does.)
         # The driver's Prometheus endpoint (telemetry.prometheusPort): what the chart's PodMonitor scrapes.
         ports.append({"name": METRICS_PORT_NAME, "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"})
     pod_spec: dict[str, Any] = {
@@ -211,6 +221,7 @@ def _build_pod(
                 "image": spec.image.trainer,
                 "imagePullPolicy": spec.image.pull_policy,
                 "command": ["python", "-m", "rljob_trainer"],
+                "workingDir": scratch.TMP_MOUNT,  # relative writes land on a volume, not the image
                 "env": env,
                 "ports": ports,
                 "resources": _resources(spec, accelerators),
@@ -223,6 +234,7 @@ def _build_pod(
                     "allowPrivilegeEscalation": False,
                     "privileged": False,
                     "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": True,
                     "runAsNonRoot": True,
                     "seccompProfile": {"type": "RuntimeDefault"},
                 },
@@ -263,13 +275,22 @@ def build_trainer_pod(
     *,
     attempt: int = 0,
     config_hash: str = "",
+    model_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trainer pod `index` (0 hosts the Ray head and the GRPO driver), requesting
-    `layout.trainer_accelerators[index]` accelerators."""
+    `layout.trainer_accelerators[index]` accelerators; `model_config` sizes its scratch volumes."""
     if not 0 <= index < layout.trainer_pods:
         raise ValueError(f"trainer pod index {index} is outside 0..{layout.trainer_pods - 1}")
     return _build_pod(
-        job, spec, layout, names.ROLE_TRAINER, index, layout.trainer_accelerators[index], attempt, config_hash
+        job,
+        spec,
+        layout,
+        names.ROLE_TRAINER,
+        index,
+        layout.trainer_accelerators[index],
+        attempt,
+        config_hash,
+        scratch.scratch_limits(spec, model_config),
     )
 
 
@@ -281,6 +302,7 @@ def build_rollout_pod(
     *,
     attempt: int = 0,
     config_hash: str = "",
+    model_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Dedicated rollout pod `index`: a Ray worker hosting dedicated engine `index`
     (`layout.rollout_accelerators_per_pod` accelerators, one engine of tensorParallel)."""
@@ -295,19 +317,21 @@ def build_rollout_pod(
         layout.rollout_accelerators_per_pod,
         attempt,
         config_hash,
+        scratch.scratch_limits(spec, model_config),
     )
 
 
 def build_pods(
-    job: JobRef, spec: api.RLJobSpec, layout: JobLayout, *, attempt: int = 0, config_hash: str = ""
+    job: JobRef,
+    spec: api.RLJobSpec,
+    layout: JobLayout,
+    *,
+    attempt: int = 0,
+    config_hash: str = "",
+    model_config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every desired pod in creation order: trainer 0..n-1 (head first), then rollout 0..m-1."""
-    trainers = [
-        build_trainer_pod(job, spec, layout, i, attempt=attempt, config_hash=config_hash)
-        for i in range(layout.trainer_pods)
-    ]
-    rollouts = [
-        build_rollout_pod(job, spec, layout, j, attempt=attempt, config_hash=config_hash)
-        for j in range(layout.rollout_pods)
-    ]
+    common = {"attempt": attempt, "config_hash": config_hash, "model_config": model_config}
+    trainers = [build_trainer_pod(job, spec, layout, i, **common) for i in range(layout.trainer_pods)]
+    rollouts = [build_rollout_pod(job, spec, layout, j, **common) for j in range(layout.rollout_pods)]
     return trainers + rollouts

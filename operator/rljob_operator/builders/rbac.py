@@ -88,6 +88,8 @@ def operator_rules() -> list[dict[str, Any]]:
       blockOwnerDeletion pass the OwnerReferencesPermissionEnforcement admission plugin.
     - pods, services, configmaps, serviceaccounts, roles, rolebindings: the job's children.
       Creating a Role requires holding its rules, which the configmaps/rljobs grants cover.
+    - secrets: create only, the job's Ray token (never read: no get, list or watch on Secrets).
+    - networkpolicies: the job's fence, created once (get when its name is taken).
     - nodes: read-only, to check that the node pool can hold the plan.
     - persistentvolumeclaims: get, to report a missing claim or one the pods cannot share.
     - podgroups (scheduling.k8s.io, where served): a job's gang, created once, replaced when its
@@ -107,6 +109,8 @@ def operator_rules() -> list[dict[str, Any]]:
         _rule(API_GROUP, [f"{PLURAL}/finalizers"], ["update"]),
         _rule("", ["pods", "services", "configmaps", "serviceaccounts"], rw),
         _rule("rbac.authorization.k8s.io", ["roles", "rolebindings"], rw),
+        _rule("", ["secrets"], ["create"]),
+        _rule("networking.k8s.io", ["networkpolicies"], ["get", "create"]),
         _rule("", ["nodes"], read),
         _rule("", ["persistentvolumeclaims"], ["get"]),
         _rule("scheduling.k8s.io", ["podgroups"], ["get", "create", "delete"]),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rljob_operator import api, builders
-from rljob_operator.builders import podgroup
+from rljob_operator.builders import podgroup, ray_auth
 from rljob_operator.decide import planning
 
 Only = Literal["all", "trainer-config", "pods", "rbac"]
@@ -38,8 +38,10 @@ def render_job(
 ) -> list[dict[str, Any]]:
     """The objects (plain dicts) for RLJob `namespace/name`; `only` narrows them.
 
-    - all: ServiceAccount, Role, RoleBinding, headless Service, the config and telemetry
-      ConfigMaps, and the pods of the plan's layout;
+    - all: ServiceAccount, Role, RoleBinding, the Ray token Secret (its token shown as a
+      placeholder: the operator generates one per job), the NetworkPolicy (as the chart's defaults
+      set it), headless Service, the config and telemetry ConfigMaps, and the pods of the plan's
+      layout;
     - trainer-config: the trainer's configuration (`rljob_trainer.config.TrainerConfig`, as the
       pods read it from `<job>-config`);
     - pods / rbac: those objects only.
@@ -53,7 +55,9 @@ def render_job(
     if only == "trainer-config":
         cfg = builders.render_trainer_config(spec, plan, model_config)
         return [cfg.model_dump(mode="json", by_alias=True)]
-    objects = builders.build_job_objects(job, spec, plan, layout, model_config)
+    objects = builders.build_job_objects(
+        job, spec, plan, layout, model_config, ray_token=ray_auth.RENDERED_TOKEN
+    )
     pods = list(objects.pods)
     groups: list[dict[str, Any]] = []
     if gang:

@@ -50,6 +50,7 @@ class PodObservation:
     termination_message: str = ""
     created: float | None = None  # metadata.creationTimestamp, unix s
     owner_uid: str | None = None  # the controller ownerReference's uid (the RLJob that made it)
+    uid: str | None = None  # the pod's own uid: a delete names it (preconditions), never a namesake
 
 
 def _unix(stamp: Any) -> float | None:
@@ -84,6 +85,14 @@ def _int(value: Any, default: int = 0) -> int:
 _BENIGN_WAITING = frozenset({"", "ContainerCreating", "PodInitializing"})
 # Pod-level `status.reason` values the kubelet sets when it evicts or preempts a pod.
 _DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "Terminated", "Shutdown", "NodeLost"})
+#: The kubelet's messages when it evicts a pod for exceeding its own storage limits
+#: (pkg/kubelet/eviction/helpers.go: emptyDirMessageFmt, podEphemeralStorageMessageFmt,
+#: containerEphemeralStorageMessageFmt).
+_OWN_EVICTIONS = (
+    "Usage of EmptyDir volume",
+    "Pod ephemeral local storage usage exceeds",
+    "exceeded its local ephemeral storage limit",
+)
 
 
 def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
@@ -116,7 +125,11 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
             unschedulable = cond.get("message") or "the scheduler found no node"
         if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
             disruption = f"{cond.get('reason') or 'Disrupted'}: {cond.get('message') or ''}".rstrip(": ")
-    if not disruption and status.get("reason") in _DISRUPTION_REASONS:
+    if status.get("reason") == "Evicted" and any(m in str(status.get("message")) for m in _OWN_EVICTIONS):
+        # The pod outgrew its own emptyDir sizeLimit or ephemeral-storage limit: its doing, and it
+        # would do it again; a failure counted against backoffLimit, not a free restart.
+        message = str(status["message"]).strip()
+    elif not disruption and status.get("reason") in _DISRUPTION_REASONS:
         disruption = f"{status['reason']}: {status.get('message') or ''}".rstrip(": ")
     if not message:
         message = status.get("message") or ""
@@ -138,6 +151,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         termination_message=termination_message[-1024:],
         created=_unix(meta.get("creationTimestamp")),
         owner_uid=names.controller_uid(meta),
+        uid=meta.get("uid"),
     )
 
 

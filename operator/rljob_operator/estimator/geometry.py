@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_operator import errors
+from rljob_operator import api, errors
 
 LayerKind = Literal["full_attention", "sliding_attention", "linear_attention", "none"]
 LinearKind = Literal["gated_delta_net", "mamba2"]
@@ -616,9 +616,19 @@ def _vision_params(config: Mapping[str, Any]) -> int:
     return blocks + patch_embed + merger
 
 
+def _check_bounds(config: Mapping[str, Any]) -> None:
+    """Refuse sizes above `api.MODEL_CONFIG_LIMITS` before anything is built per layer or expert: a
+    config from a ConfigMap or a preset never met the CRD schema's bounds."""
+    over = api.model_config_bound_violations(dict(config))
+    if over:
+        path, value, limit = over[0]
+        raise errors.InvalidModelConfigError(path, api.bound_message(value, limit))
+
+
 def _parse_config(config: Mapping[str, Any]) -> ModelGeometry:
     if not isinstance(config, Mapping):
         raise errors.InvalidModelConfigError("config", "must be a JSON object (a config.json dict)")
+    _check_bounds(config)
     cfg, prefix = _text_config(config)
     raw_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype")
     raw_dtype = raw_dtype or "bfloat16"

@@ -3,7 +3,11 @@
 Role: the only place that issues requests; `rljob_operator.handlers` holds one `Kube` per running
 operator (kopf memo). Calls run in a thread pool, never block the event loop, and are counted in
 `metrics.API_REQUESTS` / `metrics.API_ERRORS`. Idempotence lives here: `create` treats 409
-AlreadyExists and `delete_*` treat 404 NotFound as success; readers return None for 404.
+AlreadyExists and `delete_*` treat 404 NotFound as success; readers return None for 404. Deletes
+of a pod or an RLJob carry `preconditions.uid` (the object the decision was about, never a
+namesake created since: 409 means "not that one any more"), and status writes carry the
+resourceVersion they were computed from (409 Conflict: re-read, `reconcile.steps`). What an API
+error tells the caller's backoff (`retry_after_s`, `is_api_error`) is read here too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.rest import ApiException
 
 from rljob_operator import api, names
@@ -31,6 +36,28 @@ API_THREADS = 16
 PRIORITY_WORK, PRIORITY_STATUS, PRIORITY_EVENT = 0, 1, 2
 KUEUE_GROUP, KUEUE_VERSION = workload.GROUP, workload.VERSION
 POD_GROUP_API = podgroup.API_VERSION  # native gang scheduling (Kubernetes 1.37, GenericWorkload)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """409 Conflict: a failed precondition (uid, resourceVersion), or a name already taken."""
+    return isinstance(exc, ApiException) and exc.status == 409
+
+
+def is_api_error(exc: BaseException) -> bool:
+    """An error the apiserver (or the way to it) returned: what a job's backoff is for."""
+    return isinstance(exc, ApiException | urllib3.exceptions.HTTPError)
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The seconds a 429 Too Many Requests (or a 503) asks the client to wait (its Retry-After
+    header, in seconds as the apiserver's priority-and-fairness sends it), else None."""
+    if not isinstance(exc, ApiException) or exc.status not in (429, 503):
+        return None
+    value = (exc.headers or {}).get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except (TypeError, ValueError):
+        return None  # an HTTP date: the backoff's own delay applies
 
 
 def priority_of(verb: str, kind: str) -> int:
@@ -104,6 +131,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
         self._creators: dict[str, Callable[..., Any]] = {
             "Pod": self.core.create_namespaced_pod,
             "Service": self.core.create_namespaced_service,
@@ -111,6 +139,8 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Secret": self.core.create_namespaced_secret,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
             "Event": self.core.create_namespaced_event,
             "Workload": self._create_workload,
             "PodGroup": self._create_pod_group,
@@ -123,6 +153,7 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
 
     @classmethod
@@ -172,6 +203,10 @@ class Kube:
         garbage collector deletes what an earlier RLJob owned."""
         meta = obj["metadata"]
         kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        if kind == "Secret":
+            # Never read (no `get` on Secrets is granted): its name holds the RLJob's uid
+            # (`names.ray_auth_secret_name`), so a name taken is this job's own.
+            return None
         want = names.controller_uid(meta)
         try:
             current = await self.call("get", kind, self._readers[kind], name, namespace)
@@ -184,12 +219,18 @@ class Kube:
             return None
         return have or ""
 
-    async def delete_pod(self, namespace: str, name: str) -> bool:
+    async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete pod `name`, only if it is still the one with `uid` (when given); True when deleted."""
+        body = (
+            kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid))
+            if uid
+            else None
+        )
         try:
-            await self.call("delete", "Pod", self.core.delete_namespaced_pod, name, namespace)
+            await self.call("delete", "Pod", self.core.delete_namespaced_pod, name, namespace, body=body)
         except ApiException as exc:
-            if exc.status == 404:
-                return False
+            if exc.status == 404 or (uid and is_conflict(exc)):
+                return False  # gone, or a new pod of that name: not the one to delete
             raise
         return True
 
@@ -218,8 +259,14 @@ class Kube:
             {"data": obj["data"]},
         )
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
-        """Merge-patch the RLJob's status; returns the RLJob as stored after the patch."""
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any], resource_version: str | None = None
+    ) -> dict[str, Any] | None:
+        """Merge-patch the RLJob's status; returns the RLJob as stored after the patch. With
+        `resource_version`, only if the RLJob is still at it (else ApiException 409 Conflict)."""
+        body: dict[str, Any] = {"status": patch}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         return await self.call(
             "patch",
             "RLJob",
@@ -229,10 +276,15 @@ class Kube:
             namespace,
             api.PLURAL,
             name,
-            {"status": patch},
+            body,
         )
 
-    async def delete_rljob(self, namespace: str, name: str) -> None:
+    async def delete_rljob(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete the RLJob (its children follow, in the background), only if it is still the one
+        with `uid`: a job recreated under the same name since is not the one whose TTL ran out."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             await self.call(
                 "delete",
@@ -243,10 +295,10 @@ class Kube:
                 namespace,
                 api.PLURAL,
                 name,
-                body={"propagationPolicy": "Background"},
+                body=body,
             )
         except ApiException as exc:
-            if exc.status != 404:
+            if exc.status != 404 and not (uid and is_conflict(exc)):
                 raise
 
     async def _read(self, kind: str, fn: Callable[..., Any], *args: Any) -> dict[str, Any] | None:

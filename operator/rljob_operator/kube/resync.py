@@ -124,6 +124,27 @@ def next_delay_s(
     return retry_s, RETRY
 
 
+#: A job whose reconciles keep meeting API errors waits this long after the first, doubling per
+#: error in a row up to the cap (client-go's per-item exponential backoff has the same shape).
+API_BACKOFF_BASE_S = 5.0
+API_BACKOFF_CAP_S = 300.0
+
+
+def api_error_delay_s(
+    failures: int, retry_after_s: float | None = None, rand: Callable[[], float] = random.random
+) -> float:
+    """When to reconcile a job again after its `failures`-th API error in a row.
+
+    Exponential from API_BACKOFF_BASE_S to API_BACKOFF_CAP_S with "equal jitter" (half the step
+    fixed, half drawn), so jobs failing together (an apiserver restart) come back spread out, and
+    never sooner than the base; a 429's Retry-After is honoured when it asks for longer."""
+    step = min(API_BACKOFF_CAP_S, API_BACKOFF_BASE_S * 2.0 ** max(0, failures - 1))
+    delay = max(API_BACKOFF_BASE_S, step / 2 + rand() * step / 2)
+    if retry_after_s is not None:
+        delay = max(delay, min(retry_after_s, API_BACKOFF_CAP_S))
+    return delay
+
+
 def is_newer(candidate: str | None, known: str | None) -> bool:
     """Whether an object at resourceVersion `candidate` is newer than the copy at `known`.
 

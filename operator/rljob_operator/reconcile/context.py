@@ -52,12 +52,18 @@ class Ctx:
     config_hash: str = ""
     retry_s: float | None = None
     retry_why: str = ""
+    api_error: bool = False  # an API error stopped this reconcile (the job's backoff grows)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def retry(self, delay_s: float, why: str) -> None:
         """Ask kopf to run this reconcile again after `delay_s` (the soonest request wins)."""
         if self.retry_s is None or delay_s < self.retry_s:
             self.retry_s, self.retry_why = max(delay_s, 0.0), why
+
+    def back_off(self, delay_s: float, why: str) -> None:
+        """An API error stopped the steps: run again after exactly `delay_s` (the job's backoff
+        wins over any sooner retry an earlier step asked for)."""
+        self.retry_s, self.retry_why, self.api_error = max(delay_s, 0.0), why, True
 
     @property
     def attempt(self) -> int:
@@ -83,9 +89,10 @@ async def delete_pods(ctx: Ctx, pod_names: Sequence[str], *, why: str) -> None:
     deleted = []
     ours = ctx.state.deleted.setdefault(ctx.key, set())
     attempt_of = {p.name: p.attempt for p in ctx.pods}
+    uid_of = {p.name: p.uid for p in ctx.pods}  # the pod decided on, never one recreated since
     for pod_name in pod_names:
         ours.add((pod_name, attempt_of.get(pod_name, -1)))
-        if await ctx.state.kube.delete_pod(ctx.job.namespace, pod_name):
+        if await ctx.state.kube.delete_pod(ctx.job.namespace, pod_name, uid_of.get(pod_name)):
             metrics.PODS_DELETED.labels(why).inc()
             deleted.append(pod_name)
     if deleted:

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -36,11 +37,11 @@ import kopf
 import pydantic
 
 from rljob_operator import api, builders, errors, names
-from rljob_operator.builders import podgroup
+from rljob_operator.builders import network_policy, podgroup
 from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
 from rljob_operator.estimator import presets
 from rljob_operator.kube import adapter, metrics, resync
-from rljob_operator.reconcile import status
+from rljob_operator.reconcile import guards, status
 from rljob_operator.reconcile.context import (
     RETRY_INTERNAL_ERROR_S,
     RETRY_WAITING_S,
@@ -96,7 +97,7 @@ async def reconcile_job(
             ctx = Ctx(
                 state=state,
                 key=key,
-                job=builders.JobRef(name, namespace),
+                job=builders.JobRef(name, namespace, (body.get("metadata") or {}).get("uid")),
                 body=body,
                 raw_spec=dict(body.get("spec") or {}),
                 generation=int(body["metadata"].get("generation") or 0),
@@ -117,6 +118,8 @@ async def reconcile_job(
                 await _write_status(ctx, observed)
             finally:
                 _post_later(ctx)
+            if not ctx.api_error:
+                state.api_failures.pop(key, None)  # the API answered: the backoff starts afresh
             if ctx.retry_s is not None:
                 logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
             return ctx.retry_s
@@ -152,8 +155,12 @@ async def run_steps(ctx: Ctx) -> status.Observed:
                 ctx.retry(RETRY_WAITING_S, f"{_step_label(step)}: {status.reason_for(exc)}")
             return dataclasses.replace(seen, error=exc)
         except Exception as exc:
-            ctx.logger.exception(f"reconcile step {step.__name__} failed")
-            ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
+            if adapter.is_api_error(exc):  # the apiserver said no, or could not be reached
+                ctx.logger.warning(f"reconcile step {step.__name__}: API error {type(exc).__name__}: {exc}")
+                ctx.back_off(guards.api_backoff_s(ctx.state, ctx.key, exc), f"{step.__name__}: API error")
+            else:
+                ctx.logger.exception(f"reconcile step {step.__name__} failed")
+                ctx.retry(RETRY_INTERNAL_ERROR_S, f"{step.__name__}: {exc}")
             return dataclasses.replace(seen, error=errors.InternalError.wrap(_step_label(step), exc))
         if stop:
             break
@@ -205,7 +212,8 @@ async def _step_finished(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         left_s = done.timestamp() + ttl - ctx.now.timestamp()
         if left_s <= 0:
             post(ctx, "Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
-            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name)
+            # Only this RLJob (its uid): one recreated under the name since has its own TTL.
+            await ctx.state.kube.delete_rljob(ctx.job.namespace, ctx.job.name, ctx.uid)
         else:
             ctx.retry(left_s, f"ttlSecondsAfterFinished ends in {left_s:.0f}s")
     return dataclasses.replace(seen, finished=True), True
@@ -325,7 +333,17 @@ async def _step_children(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     """Everything but pods (once per generation/config; AlreadyExists is success)."""
     spec = spec_of(seen)
     assert seen.plan is not None and seen.layout is not None
-    objects = builders.build_job_objects(ctx.job, spec, seen.plan, seen.layout, ctx.model_config)
+    objects = builders.build_job_objects(
+        ctx.job,
+        spec,
+        seen.plan,
+        seen.layout,
+        ctx.model_config,
+        # Used only if the job's Secret does not exist yet (it is immutable; a create that finds it
+        # keeps the token its running pods have). Never logged, never in the status.
+        ray_token=secrets.token_hex(32),
+        network=NETWORK_POLICY,
+    )
     ctx.config_hash = objects.config_hash
     await _apply_children(ctx, objects)
     return seen, False
@@ -362,6 +380,20 @@ async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     return seen, False
 
 
+async def _step_checkpoint_fallback(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """A driver that resumed past a corrupt or partial checkpoint says so in a SyncReport
+    (`checkpointFallback`): a Warning Event on the RLJob, once per fallback."""
+    posted = ctx.state.fallbacks_posted.setdefault(ctx.key, set())
+    for report in sync_reports(ctx):
+        note = report.checkpoint_fallback
+        if note and note not in posted:
+            queued = len(ctx.events)
+            post(ctx, "Warning", "CheckpointFallback", f"step {report.step}: {note}")
+            if len(ctx.events) > queued:  # not rate-limited: the next one goes at a later reconcile
+                posted.add(note)
+    return seen, False
+
+
 async def _step_adapt(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Adaptive mode: turn the telemetry history into engine targets (`policy.decide()`)."""
     spec = spec_of(seen)
@@ -382,7 +414,12 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     spec = spec_of(seen)
     assert seen.layout is not None
     desired = builders.build_pods(
-        ctx.job, spec, seen.layout, attempt=ctx.attempt, config_hash=ctx.config_hash
+        ctx.job,
+        spec,
+        seen.layout,
+        attempt=ctx.attempt,
+        config_hash=ctx.config_hash,
+        model_config=ctx.model_config,
     )
     if seen.placements:  # Kueue admitted them: onto the admitted flavors' nodes
         desired = [
@@ -528,6 +565,7 @@ STEPS: tuple[Step, ...] = (
     _step_children,
     _step_volumes,
     _step_capacity,
+    _step_checkpoint_fallback,
     _step_adapt,
     step_admission,
     step_gang,
@@ -586,7 +624,7 @@ async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str
     if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
         return cache.plan, cache.model_config
     model_config = await _model_config(ctx, spec)
-    plan = _compute_plan(spec, model_config)
+    plan = await guards.plan_off_loop(functools.partial(_compute_plan, spec, model_config))
     cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
     cache.error = None
     return plan, model_config
@@ -690,7 +728,10 @@ async def _write_status(ctx: Ctx, observed: status.Observed) -> None:
         return
     ctx.state.unwritten.pop(ctx.key, None)
     if patch is not None:
-        ctx.state.remember(ctx.key, await ctx.state.kube.patch_status(ctx.job.namespace, ctx.job.name, patch))
+        written = await guards.write_status(ctx.state.kube, ctx.body, new, patch)
+        if written is None:
+            return  # the RLJob is gone
+        ctx.state.remember(ctx.key, written)
         known = {c.type for c in ctx.old.conditions}
         for cond in status.transitions(ctx.old.conditions, new.conditions):
             kind = status.event_type(cond)
@@ -721,6 +762,10 @@ def _defer_status(ctx: Ctx, observed: status.Observed, new: api.RLJobStatus) -> 
     since = ctx.state.unwritten.setdefault(ctx.key, now_s)
     ctx.retry(since + resync.STATUS_COALESCE_S - now_s, "a starting job's status is written")
     return True
+
+
+# ---- every job's NetworkPolicy, as the chart sets it (values.yaml jobNetworkPolicy) ---------------
+NETWORK_POLICY = network_policy.parse_settings(os.environ.get(network_policy.SETTINGS_ENV))
 
 
 # ---- node-pool defaults (the chart's pools ConfigMap, rljob_operator.decide.pools) ----------------------

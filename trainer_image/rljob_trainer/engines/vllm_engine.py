@@ -117,6 +117,9 @@ def engine_args(
         # with the distribution the sample was drawn from.
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
+        # spec.model.source.hub.revision: the weights and the tokenizer of that commit, as the trainer's.
+        "revision": cfg.model.hub_revision,
+        "tokenizer_revision": cfg.model.hub_revision,
     }
     if tp_workers_in_placement_group:
         # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
