@@ -25,7 +25,7 @@ import pytest
 from rljob_trainer.__main__ import ray_head_command
 from testenv import fakelet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 CLIENT = (
     "import ray\n"

@@ -22,7 +22,7 @@ from rljob_trainer import __main__ as entry
 from rljob_trainer import driver, runtimes
 from rljob_trainer.rollout import weight_sync
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.ray]
 
 TIMEOUT_S = 5.0
 
