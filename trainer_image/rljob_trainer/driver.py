@@ -417,17 +417,18 @@ class GRPODriver:
 
     def _sync_awake_engines(self) -> None:
         """Right after training: the new weights into every engine that is not asleep (or draining).
-        Engines first finish the generate call they are on (an engine takes weights between calls)."""
+        Engines first finish the chunk they are on, or are interrupted (`RolloutPipeline.quiesce`)."""
         names = [
             n
             for n, e in self.engines.items()
             if not e.asleep and not e.draining and e.version != self.weights_version
         ]
         if names:
-            t0 = self.clock()  # the trainer idles here until the engines finish their calls
-            self.pipeline.pump(lambda: not self.pipeline.busy(names), admit=False)
+            t0 = self.clock()  # the trainer idles here until the engines stop generating
+            interrupted = self.pipeline.quiesce(names)
             self.pipeline.trainer_wait_s += self.clock() - t0
             self._update_engine_weights([n for n in names if n in self.engines])
+            self.pipeline.resume_engines(interrupted)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -640,6 +641,7 @@ class GRPODriver:
             "rollout/staleness_max": max(staleness),
             "rollout/staleness_mean": sum(staleness) / len(staleness),
             "rollout/regenerated_stale": self.pipeline.regenerated,
+            **pipeline.rollout_step_metrics(outs, step - 1),
             "off_policy/is_weight_mean": sum(s["is_weight_sum"] for s in stats)
             / max(sum(s["is_weight_tokens"] for s in stats), 1),
             "off_policy/is_weight_max": max(s["is_weight_max"] for s in stats),
@@ -650,6 +652,7 @@ class GRPODriver:
             "grad_norm": stats[0]["grad_norm"],
             "response_len_mean": sum(resp_lens) / len(resp_lens),
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "trained_tokens": tokens,
             "generation_s": gen_s,
             "training_s": train_s,
             "weight_sync_s": sync_s,
@@ -689,6 +692,12 @@ class GRPODriver:
             released_rollout_pods=sorted(self._released_pods),
             lost_rollout_pods=sorted(self._lost_pods),
             staleness_max=metrics["rollout/staleness_max"],
+            prompt_tokens=int(metrics["rollout/prompt_tokens"]),
+            generated_tokens=int(metrics["rollout/generated_tokens"]),
+            trained_tokens=int(metrics["trained_tokens"]),
+            generation_engines=int(metrics["rollout/generation_engines"]),
+            prefill_engine_s=metrics.get("rollout/prefill_engine_s"),
+            decode_engine_s=metrics.get("rollout/decode_engine_s"),
         )
         self.pipeline.trainer_wait_s = 0.0
         self._lost_pods.clear()
