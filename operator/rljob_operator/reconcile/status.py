@@ -115,6 +115,7 @@ class Observed:
       each pod Kueue admitted, the nodeLabels and tolerations of its flavors (the pods step applies them).
     - preemption: this reconcile's step of a cooperative preemption (`preemption.decide`), with
       the sentence for the Preempted condition.
+    - refit: the plan refitted from the job's SyncReports (None: no new refit; the last one stays).
     """
 
     spec: api.RLJobSpec | None = None
@@ -133,6 +134,7 @@ class Observed:
     queue: api.QueueStatus | None = None
     placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
     preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
+    refit: api.PlanRefit | None = None  # the plan refitted from the job's reports (status.plan.refit)
 
 
 def _condition(
@@ -248,8 +250,9 @@ def compute_status(
     if observed.finished:
         return new
     spec, plan, layout = observed.spec, observed.plan, observed.layout
-    if plan is not None:
-        new.plan = plan
+    if plan is not None:  # the refit follows the reports; the plan (cached per generation) has none
+        refit = observed.refit or (old.plan.refit if old.plan is not None else None)
+        new.plan = plan.model_copy(update={"refit": refit})
     new.progress = _progress(spec, observed.report, new.progress)
     new.rollout = compute_rollout(
         observed.rollout or new.rollout, plan, layout, observed.pods, observed.report
