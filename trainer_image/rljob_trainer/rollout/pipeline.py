@@ -341,11 +341,7 @@ class RolloutPipeline:
         if self.cfg.rollout.partial_rollouts:
             control = {n: self.rt.submit_control(self.engines[n].handle, "interrupt") for n in busy}
         self.pump(lambda: not self.busy(names), admit=False)
-        for name, fut in control.items():
-            try:
-                self.rt.get(fut)
-            except self.rt.lost_errors() as e:  # its generate call was handled as lost already
-                log.warning("engine %s lost while interrupted: %s", name, e)
+        self._settle_control(control, "interrupted")
         return [n for n in control if n in self.engines]
 
     def resume_engines(self, names: Sequence[str]) -> None:
@@ -353,11 +349,16 @@ class RolloutPipeline:
         futures = {
             n: self.rt.submit_control(self.engines[n].handle, "resume") for n in names if n in self.engines
         }
+        self._settle_control(futures, "resumed")
+
+    def _settle_control(self, futures: dict[str, Any], what: str) -> None:
+        """The answers of interrupt/resume calls; an engine that died or failed to (an interrupt its
+        generate call did not obey within rollout.engineTimeoutS) is dropped as lost."""
         for name, fut in futures.items():
             try:
                 self.rt.get(fut)
-            except self.rt.lost_errors() as e:
-                log.warning("engine %s lost before it resumed: %s", name, e)
+            except Exception as e:  # lost, or the engine's own error (its requests are requeued)
+                log.warning("engine %s was not %s: %s", name, what, e)
                 if name in self.engines:
                     self.owner.drop_engine(name, lost=True)
 
