@@ -418,6 +418,8 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             api_before = apiserver_requests(cluster)
             op_before = operator_requests(args.metrics_port)
             pool_before = api_pool_timing(args.metrics_port)
+            server_before = apiserver_write_latency(cluster)
+            cpu_before = cpu_seconds(proc.pid)
 
             created: dict[str, float] = {}
             t0 = time.monotonic()
@@ -442,6 +444,8 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
             api_after = apiserver_requests(cluster)
             op_after = operator_requests(args.metrics_port)
             pool_after = api_pool_timing(args.metrics_port)
+            server_after = apiserver_write_latency(cluster)
+            cpu_create_s = cpu_seconds(proc.pid) - cpu_before
 
             # Idle: every job Running, nothing changing.
             time.sleep(args.settle_seconds)
@@ -463,6 +467,11 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
     result.breakdown = latency_breakdown(read_trace(trace_path(side)), created, watcher.pods, watcher.bound)
     if result.breakdown:
         result.breakdown["api_pool"] = api_pool_means(pool_before, pool_after)
+        result.breakdown["operator_cpu_s_per_job"] = cpu_create_s / args.jobs
+        calls = server_after[1] - server_before[1]
+        result.breakdown["api_pool"]["server_mean_s"] = (
+            (server_after[0] - server_before[0]) / calls if calls > 0 else 0.0
+        )
     (LOG_DIR / f"rljob-bench-times-{side.label.replace(' ', '-')}.json").write_text(json.dumps(times))
     result.latencies = [
         max(watcher.pods[f"{n}-trainer-0"], watcher.pods[f"{n}-rollout-0"]) - t
@@ -602,6 +611,32 @@ def api_pool_timing(port: int) -> dict[str, float]:
     return out
 
 
+_DURATION_RE = re.compile(
+    r"^apiserver_request_duration_seconds_(?P<kind>sum|count)\{(?P<labels>[^}]*)\} (?P<v>\S+)$"
+)
+
+
+def apiserver_write_latency(cluster: LocalCluster) -> tuple[float, float]:
+    """(seconds, requests) the apiserver spent serving creates and patches of RLJobs, their children
+    and Events (its own `apiserver_request_duration_seconds`): the server's share of a round trip."""
+    text = cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
+    total = count = 0.0
+    for line in text.splitlines():
+        m = _DURATION_RE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+        if labels.get("verb") not in ("POST", "PATCH") or labels.get("resource") not in CHILD_RESOURCES | {
+            "events"
+        }:
+            continue
+        if m.group("kind") == "sum":
+            total += float(m.group("v"))
+        else:
+            count += float(m.group("v"))
+    return total, count
+
+
 def api_pool_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Mean seconds an API call waited for a pool thread and then took, over the create phase."""
     out = {}
@@ -630,12 +665,18 @@ def print_breakdown(label: str, b: dict[str, Any]) -> None:
     print(
         f"| scheduler | after it: the last pod seen -> both bound | {s['mean_s']:.3f} | {s['p99_s']:.3f} | |"
     )
+    if "operator_cpu_s_per_job" in b:
+        print(
+            f"operator CPU: {b['operator_cpu_s_per_job'] * 1000:.0f} ms per job over the create phase "
+            "(its event loop runs the watches, the reconciles and the API client's serialization)"
+        )
     pool = b.get("api_pool") or {}
     if pool.get("calls"):
         print(
             f"API round trips: {pool['calls']:.0f} calls during the create phase waited "
             f"{pool['queue_mean_s']:.3f} s "
-            f"for one of the operator's API threads and then took {pool['request_mean_s']:.3f} s (means)"
+            f"for one of the operator's API threads and then took {pool['request_mean_s']:.3f} s (means), "
+            f"of which the apiserver served creates and patches in {pool.get('server_mean_s', 0.0):.3f} s"
         )
 
 
