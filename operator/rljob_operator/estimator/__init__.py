@@ -4,7 +4,8 @@ The operator calls :func:`plan_resources` in every reconcile to size trainer and
 ``rljob plan`` prints the same plan offline. See the submodules for the rules:
 :mod:`.geometry` (config.json -> KV/state bytes), :mod:`.rollout` (vLLM engine sizing),
 :mod:`.trainer` (FSDP2 memory), :mod:`.throughput` (step-time model), :mod:`.planner` (split),
-:mod:`.devices` (accelerator catalog), :mod:`.report` (table / JSON), :mod:`.presets`.
+:mod:`.devices` (accelerator catalog), :mod:`.report` (table / JSON), :mod:`.presets`,
+:mod:`.refit` (the plan checked against a running job's SyncReports, and re-planned).
 """
 
 from rljob_operator.errors import EstimatorError
