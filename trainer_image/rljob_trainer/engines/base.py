@@ -47,6 +47,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" (a stop/eos token), "length", or ABORTED (interrupted: not finished)
     meta: dict[str, Any] = field(default_factory=dict)
     token_versions: tuple[int, ...] = ()
+    # Engine-seconds spent on this request (`TIMING_KEYS`: its share of its calls' prefill and
+    # decode), where the engine measures them; not part of what the request generated.
+    timing: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -229,9 +232,9 @@ class RolloutEngine(abc.ABC):
 # (vLLM would hold it until resume; neither samples a token under weights about to change);
 # update_weights() while a generate call runs is refused (`EngineBusyError`), never applied halfway.
 ABORTED = "abort"  # vLLM's FinishReason.ABORT, as RequestOutput.finish_reason reports it
-# Optional `GenerationOutput.meta` keys: the engine-seconds of prefill and decode spent on a request
-# (its share of the call's), which a refit of the estimator's rates reads (SyncReport).
-TIMING_META: tuple[str, ...] = ("prefill_s", "decode_s")
+# `GenerationOutput.timing` keys: the engine-seconds of prefill and decode spent on a request (its
+# share of the call's), which a refit of the estimator's rates reads (SyncReport).
+TIMING_KEYS: tuple[str, ...] = ("prefill_s", "decode_s")
 
 
 class EngineBusyError(EngineStateError):
@@ -316,9 +319,11 @@ def continue_output(prefix: GenerationOutput | None, rest: GenerationOutput) -> 
         "version": min(versions, default=int(rest.meta.get("version", 0))),
         "interrupts": int(prefix.meta.get("interrupts", 0)) + (1 if prefix.aborted else 0),
     }
-    for key in TIMING_META:  # engine-seconds add up over the calls that served the request
-        if key in prefix.meta or key in rest.meta:
-            meta[key] = float(prefix.meta.get(key, 0.0)) + float(rest.meta.get(key, 0.0))
+    timing = {  # engine-seconds add up over the calls that served the request
+        k: prefix.timing.get(k, 0.0) + rest.timing.get(k, 0.0)
+        for k in TIMING_KEYS
+        if k in prefix.timing or k in rest.timing
+    }
     return replace(
         rest,
         prompt_token_ids=prefix.prompt_token_ids,
@@ -326,4 +331,5 @@ def continue_output(prefix: GenerationOutput | None, rest: GenerationOutput) -> 
         logprobs=prefix.logprobs + rest.logprobs,
         meta=meta,
         token_versions=versions,
+        timing=timing,
     )

@@ -305,7 +305,13 @@ class TransformersEngine(base.RolloutEngine):
         timing = {"prefill_s": (prefilled - started) / n, "decode_s": (time.perf_counter() - prefilled) / n}
         return [
             base.GenerationOutput(
-                tuple(p), tuple(t), tuple(lp), r, {"engine": self.name, "version": v, **timing}, (v,) * len(t)
+                tuple(p),
+                tuple(t),
+                tuple(lp),
+                r,
+                {"engine": self.name, "version": v},
+                (v,) * len(t),
+                dict(timing),
             )
             for p, t, lp, r in zip(prompts_token_ids, tokens, lps, reasons, strict=True)
         ]

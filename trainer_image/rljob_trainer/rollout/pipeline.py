@@ -422,7 +422,7 @@ def rollout_step_metrics(outputs: Sequence[base.GenerationOutput], trainer_versi
     out["rollout/prompt_tokens"] = float(sum(len(o.prompt_token_ids) for o in outputs))
     out["rollout/generated_tokens"] = float(sum(len(o.token_ids) for o in outputs))
     out["rollout/generation_engines"] = float(len({o.meta.get("engine") for o in outputs}))
-    for key in base.TIMING_META:
-        if outputs and all(key in o.meta for o in outputs):
-            out[f"rollout/{key.replace('_s', '')}_engine_s"] = float(sum(o.meta[key] for o in outputs))
+    for key in base.TIMING_KEYS:
+        if outputs and all(key in o.timing for o in outputs):
+            out[f"rollout/{key.replace('_s', '')}_engine_s"] = float(sum(o.timing[key] for o in outputs))
     return out
