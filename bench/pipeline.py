@@ -326,8 +326,8 @@ def scaled_tokens(p: Probe, target_s: float) -> int:
     return max(MIN_TOKENS, min(MAX_TOKENS, round(p.tokens * target_s / max(slower, 1e-6))))
 
 
-def calibrate(work: Path, *, target_s: float, log: Any) -> tuple[Probe, list[Probe]]:
-    """(the balanced probe, every probe): batch and cap where generation ≈ training ≈ target_s."""
+def calibrate(work: Path, *, target_s: float, log: Any) -> tuple[int, int, list[Probe]]:
+    """(prompts, response cap, every probe): where generation ≈ training ≈ target_s."""
     probes: list[Probe] = []
 
     def probe(prompts: int, tokens: int) -> Probe:
@@ -344,33 +344,36 @@ def calibrate(work: Path, *, target_s: float, log: Any) -> tuple[Probe, list[Pro
         )
         return out
 
-    a = probe(4, 48)
-    b = probe(16, 48)
-    prompts = balanced_prompts(a, b)
-    near = (
-        a
-        if abs(math.log(a.generation_s / a.training_s)) <= abs(math.log(b.generation_s / b.training_s))
-        else b
-    )
-    tokens = scaled_tokens(Probe(prompts, near.tokens, near.generation_s, near.training_s), target_s)
-    best = probe(prompts, tokens)
-    for _ in range(2):  # refine: the batch by the secant through the nearest probe, then the cap
-        ratio = best.generation_s / best.training_s
+    def imbalance(p: Probe) -> float:
+        return abs(math.log(p.generation_s / p.training_s))
+
+    def at(prompts: int, ref: Probe) -> Probe:
+        """`ref`'s phases carried to `prompts` (training about linear in the batch, generation flat)."""
+        scale = prompts / ref.prompts
+        return Probe(prompts, ref.tokens, ref.generation_s * scale**0.5, ref.training_s * scale)
+
+    probe(4, 48)
+    probe(16, 48)
+    for _ in range(3):  # the batch by the secant through the two most balanced batches, the cap by scaling
+        by_balance = sorted(probes, key=imbalance)
+        best = by_balance[0]
+        other = next((p for p in by_balance[1:] if p.prompts != best.prompts), None)
+        prompts = balanced_prompts(best, other) if other is not None else best.prompts
+        tokens = scaled_tokens(at(prompts, best), target_s)
+        if (prompts, tokens) in {(p.prompts, p.tokens) for p in probes}:
+            break
+        out = probe(prompts, tokens)
         if (
-            abs(math.log(ratio)) <= math.log(1.15)
-            and abs(max(best.generation_s, best.training_s) / target_s - 1) <= 0.25
+            imbalance(out) <= math.log(1.15)
+            and abs(max(out.generation_s, out.training_s) / target_s - 1) <= 0.25
         ):
             break
-        other = min(
-            (p for p in probes if p.prompts != best.prompts),
-            key=lambda p: abs(math.log(p.generation_s / p.training_s)),
-            default=None,
-        )
-        prompts = balanced_prompts(best, other) if other is not None else best.prompts
-        best = probe(
-            prompts, scaled_tokens(Probe(prompts, best.tokens, best.generation_s, best.training_s), target_s)
-        )
-    return best, probes
+    # The probe nearest to balance and to the target; its cap scaled to the target (noise on a shared
+    # machine can make the last probe the worst).
+    best = min(
+        probes, key=lambda p: imbalance(p) + 0.5 * abs(math.log(max(p.generation_s, p.training_s) / target_s))
+    )
+    return best.prompts, scaled_tokens(best, target_s), probes
 
 
 # ---- parallel capacity -----------------------------------------------------------------------------
@@ -430,8 +433,7 @@ def main() -> None:
         raise SystemExit("--staleness takes maxStaleness values >= 1, e.g. 1,2")
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        best, probes = calibrate(work, target_s=args.target_s, log=print)
-        prompts, tokens = best.prompts, best.tokens
+        prompts, tokens, probes = calibrate(work, target_s=args.target_s, log=print)
         print(f"calibration: {prompts} prompts x {GROUP_SIZE} at {tokens} response tokens")
         capacity = [parallel_capacity()]
         common = {"steps": steps, "response_tokens": tokens, "prompts": prompts}
