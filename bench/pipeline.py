@@ -12,8 +12,9 @@ knobs, so it balances on any machine:
 - the batch (prompts per step, groups of 4) sets training against generation: a decode step of a
   tiny model costs about the same for 8 or 64 sequences (per-layer overhead), while training costs
   per token, so fewer prompts make training cheaper relative to generation and more make it
-  dearer. Both phases are measured at two batches, the power law through them gives the batch where
-  they meet, and a probe there refines it (a secant in log space);
+  dearer. Both phases are measured at two batches; each phase's power law through them gives the
+  batch where they meet, and each further probe moves the batch along those laws to where its own
+  phases would meet (the cap changes their ratio too: answers stop at EOS);
 - the response cap sets the step's length: both phases grow with it, so it is scaled until the
   slower phase takes `--target-s` (default 0.8 s), far from the regime where Ray calls and weight
   syncs decide the ratio (the old calibration balanced at a 2-token cap: 0.1 s steps).
@@ -347,29 +348,43 @@ def calibrate(work: Path, *, target_s: float, log: Any) -> tuple[int, int, list[
     def imbalance(p: Probe) -> float:
         return abs(math.log(p.generation_s / p.training_s))
 
-    def at(prompts: int, ref: Probe) -> Probe:
-        """`ref`'s phases carried to `prompts` (training about linear in the batch, generation flat)."""
-        scale = prompts / ref.prompts
-        return Probe(prompts, ref.tokens, ref.generation_s * scale**0.5, ref.training_s * scale)
+    a, b = probe(4, 48), probe(16, 48)
+    # Each phase's power law in the batch, from the two probes at one cap (generation flat, training
+    # about linear): how the phases move when the batch changes at any cap.
+    span = math.log(b.prompts / a.prompts)
+    gen_exp = math.log(b.generation_s / a.generation_s) / span
+    train_exp = math.log(b.training_s / a.training_s) / span
 
-    probe(4, 48)
-    probe(16, 48)
-    for _ in range(3):  # the batch by the secant through the two most balanced batches, the cap by scaling
-        by_balance = sorted(probes, key=imbalance)
-        best = by_balance[0]
-        other = next((p for p in by_balance[1:] if p.prompts != best.prompts), None)
-        prompts = balanced_prompts(best, other) if other is not None else best.prompts
-        tokens = scaled_tokens(at(prompts, best), target_s)
+    def at(prompts: int, ref: Probe) -> Probe:
+        """`ref`'s phases carried to `prompts` along the power laws."""
+        scale = prompts / ref.prompts
+        return Probe(
+            prompts, ref.tokens, ref.generation_s * scale**gen_exp, ref.training_s * scale**train_exp
+        )
+
+    def rebalance(ref: Probe) -> int:
+        """The batch where `ref`'s phases would meet (the cap changes their ratio too: answers stop at
+        EOS, so generation grows with the longest and training with the mean)."""
+        if train_exp - gen_exp < 0.05:
+            return ref.prompts  # the batch cannot move the balance here
+        estimate = ref.prompts * (ref.generation_s / ref.training_s) ** (1 / (train_exp - gen_exp))
+        return max(MIN_PROMPTS, min(MAX_PROMPTS, round(estimate)))
+
+    prompts = balanced_prompts(a, b)
+    ref = a if imbalance(a) <= imbalance(b) else b
+    for _ in range(3):
+        tokens = scaled_tokens(at(prompts, ref), target_s)
         if (prompts, tokens) in {(p.prompts, p.tokens) for p in probes}:
             break
-        out = probe(prompts, tokens)
+        ref = probe(prompts, tokens)
         if (
-            imbalance(out) <= math.log(1.15)
-            and abs(max(out.generation_s, out.training_s) / target_s - 1) <= 0.25
+            imbalance(ref) <= math.log(1.15)
+            and abs(max(ref.generation_s, ref.training_s) / target_s - 1) <= 0.25
         ):
             break
-    # The probe nearest to balance and to the target; its cap scaled to the target (noise on a shared
-    # machine can make the last probe the worst).
+        prompts = rebalance(ref)
+    # The probe nearest to balance and to the target, its cap scaled to the target (on a shared
+    # machine the last probe can be the noisiest).
     best = min(
         probes, key=lambda p: imbalance(p) + 0.5 * abs(math.log(max(p.generation_s, p.training_s) / target_s))
     )
