@@ -9,6 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -87,14 +88,15 @@ def test_the_calibration_balances_a_machine_whose_phases_grow_differently_with_t
     """Generation grows faster with the cap than training (answers stop at EOS), and training is
     2.5x generation at the first batch: the batch and the cap together still balance it."""
 
-    def fake_run(cfg, workdir, name):  # noqa: ANN001, ANN202 - the bench's run(), modelled
+    def fake_run(cfg: Any, workdir: Any, name: str) -> list[dict[str, float]]:  # the bench's run()
         p, cap = cfg.grpo.prompts_per_step, cfg.lengths.max_response_tokens
         gen, train = 0.004 * cap**1.2 * p**0.33, 0.001 * cap**0.8 * p**1.5
         return _rows(gen, train, 0.02, n=3)
 
     monkeypatch.setattr(bench, "run", fake_run)
     prompts, tokens, probes = bench.calibrate(tmp_path, target_s=0.8, log=lambda _: None)
-    rows = fake_run(bench.make_config(steps=3, response_tokens=tokens, prompts=prompts, max_staleness=0), None, "")
+    cfg = bench.make_config(steps=3, response_tokens=tokens, prompts=prompts, max_staleness=0)
+    rows = fake_run(cfg, None, "")
     gen, train = rows[0]["generation_s"], rows[0]["training_s"]
     assert max(gen, train) / min(gen, train) < 1.25, (prompts, tokens, gen, train)
     assert 0.8 * 0.75 <= max(gen, train) <= 0.8 * 1.25
