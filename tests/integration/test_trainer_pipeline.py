@@ -242,27 +242,31 @@ def test_a_hung_engine_is_dropped_after_the_timeout_and_no_prompt_is_lost(
 def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_new_weights(
     ray_node: None,
 ) -> None:
-    """maxStaleness 2 with partial rollouts: generation (48-token answers) is slower than training, so
-    the engine is mid-call at every sync point; the call is interrupted (Ray's control group reaches
-    the actor while it generates), the weights go over the gloo group, and the unfinished requests
-    go on under the new weights. A resumed sample's tokens span versions: its staleness (the
-    oldest token's) is above its tokens' mean, and no token is beyond the bound."""
+    """maxStaleness 2 with partial rollouts: training (6 epochs of 4 mini-batches) is slower than
+    generation (one prompt group per call), so the engine runs ahead into the step after the next
+    and is mid-call at the sync points; that call is interrupted (Ray's control group reaches the
+    actor while it generates), the weights go over the gloo group, and the unfinished requests go
+    on under the new weights. A resumed sample's tokens span versions: its staleness (the oldest
+    token's) is above its tokens' mean, and no token is beyond the bound."""
     import ray
 
     cfg = toy_config(
-        lengths={"maxResponseTokens": 48},
+        lengths={"maxResponseTokens": 24},
         grpo={
             "maxSteps": 40,
             "promptsPerStep": 4,
             "maxStaleness": 2,
             "policyLoss": "clipped-tis",
             "tisCap": 2.0,
+            "ppoEpochs": 6,
+            "miniBatchesPerStep": 4,
         },
         rollout={
             "sharedEngines": 0,
             "dedicatedEngines": 1,
             "maxDedicatedEngines": 2,
             "partialRollouts": True,
+            "chunkPromptGroups": 1,
         },
         distributed={"numTrainerRanks": 1, "launcher": "ray", "rankNumCpus": 0.25},
     )

@@ -162,23 +162,27 @@ def test_without_chunks_a_call_holds_the_steps_share() -> None:
 
 
 def test_partial_rollouts_interrupt_at_the_sync_and_resume_from_the_tokens_they_have() -> None:
-    pipe, engine, rt = _pipeline(_cfg(chunkPromptGroups=2, partialRollouts=True))
-    pipe._admit(1)
-    first = engine.calls[0]
-    rt.wait_any([0])
-    rt.wait_any([0])  # two tokens generated of each request's six
+    cfg = _cfg(chunkPromptGroups=2, partialRollouts=True)
+    cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"max_staleness": 2})})
+    pipe, engine, rt = _pipeline(cfg)
+    pipe.pump(lambda: pipe.jobs[2].complete, current=1)  # steps 1 and 2 generated: it runs ahead
+    pipe.owner.weights_version = 1  # step 1 trained; the trainer takes step 2 next
+    pipe._admit(2)
+    ahead = engine.calls[-1]
+    assert {pipe._request_of[r][0] for r in pipe.calls[len(rt.futures) - 1].ids} == {3}
+    rt.wait_any([len(rt.futures) - 1])
+    rt.wait_any([len(rt.futures) - 1])  # two tokens generated of each request's six
     interrupted = pipe.quiesce(["e"])
-    assert interrupted == ["e"] and first.aborted and engine.paused
-    assert all(o is None for o in pipe.jobs[1].outputs)  # nothing is complete yet
+    assert interrupted == ["e"] and ahead.aborted and engine.paused
+    assert all(o is None for o in pipe.jobs[3].outputs)  # nothing of step 3 is complete yet
     assert pipe.interrupted == 4
     engine.version = 1  # the weight sync
     pipe.resume_engines(interrupted)
     assert not engine.paused
-    pipe.pump(lambda: pipe.jobs[1].complete, current=1)
-    resumed = engine.calls[1]
-    assert resumed.prompts[0] == [1, 2, 3, 10, 10]  # prompt + the two tokens it had
+    pipe.pump(lambda: pipe.jobs[3].complete, current=3)
+    resumed = next(c for c in engine.calls if c.prompts[0] == [1, 2, 3, 10, 10])  # prompt + its 2 tokens
     assert resumed.sampling.max_tokens_per_request[:4] == (4, 4, 4, 4)
-    outs = pipe.jobs[1].outputs
+    outs = pipe.jobs[3].outputs
     interrupted_outs = [o for o in outs if o is not None and o.meta.get("interrupts")]
     assert len(interrupted_outs) == 4
     for o in interrupted_outs:
@@ -187,15 +191,24 @@ def test_partial_rollouts_interrupt_at_the_sync_and_resume_from_the_tokens_they_
         assert o.logprobs == (-1.0, -1.0, -2.0, -2.0, -2.0, -2.0)  # each token's own log-prob
         assert o.prompt_token_ids == (1, 2, 3) and o.finish_reason == "length"
         assert o.meta["version"] == 0  # the oldest: what the staleness bound reads
-    metrics = pipeline.rollout_step_metrics([o for o in outs if o is not None], trainer_version=1)
+    metrics = pipeline.rollout_step_metrics([o for o in outs if o is not None], trainer_version=2)
     assert metrics["rollout/partial_fraction"] == 0.5
-    # 4 resumed requests: 2 of 6 tokens one version behind; 4 fresh ones at version 1: none behind.
-    assert metrics["rollout/staleness_tokens_mean"] == (4 * 2) / (8 * 6)
-    assert metrics["rollout/staleness_tokens_max"] == 1.0
+    # Trained at version 2: 4 resumed requests have 2 tokens 2 behind and 4 tokens 1 behind; the 4
+    # fresh ones (generated at version 1) 6 tokens 1 behind.
+    assert metrics["rollout/staleness_tokens_mean"] == (4 * (2 * 2 + 4) + 4 * 6) / (8 * 6)
+    assert metrics["rollout/staleness_tokens_max"] == 2.0
+
+
+def test_a_call_of_the_next_steps_requests_is_waited_for_not_interrupted() -> None:
+    pipe, engine, _ = _pipeline(_cfg(chunkPromptGroups=2, partialRollouts=True))
+    pipe._admit(1)  # step 1's requests: the trainer takes step 1 next
+    assert pipe.quiesce(["e"]) == [] and not engine.paused
+    assert not engine.calls[0].aborted and pipe.interrupted == 0
 
 
 def test_a_call_that_reaches_the_paused_engine_aborts_before_its_first_token_and_is_requeued() -> None:
     pipe, engine, rt = _pipeline(_cfg(chunkPromptGroups=1, partialRollouts=True))
+    pipe.owner.weights_version = -1  # the call below runs ahead of the step the trainer takes next
     rt.submit_control(engine, "interrupt")  # paused before the call starts (a race the sync can hit)
     pipe._admit(1)
     pipe.quiesce(["e"])

@@ -9,12 +9,12 @@ counted).
 
 Dedicated engines take requests in chunks of `rollout.chunkPromptGroups` prompt groups per generate
 call (default: a step's share), so a weight sync waits for at most the chunk in flight. With
-`rollout.partialRollouts` it does not wait for that either (AReaL's interruptible generation, slime's
-partial rollout): `quiesce` interrupts the calls in flight, which return what they have; after the
-weights are updated `resume_engines` lets the engines serve again, and each unfinished request is
-dispatched again as its prompt + the tokens it has, with the rest of its budget
-(`engines.base.continue_output`): every token keeps the weights version and log-prob it was sampled
-with, so staleness and truncated importance sampling are per token.
+`rollout.partialRollouts` it does not wait for a call that runs ahead of the next step either
+(AReaL's interruptible generation, slime's partial rollout): `quiesce` interrupts it, it returns
+what it has; after the weights are updated `resume_engines` lets the engines serve again, and each
+unfinished request is dispatched again as its prompt + the tokens it has, with the rest of its
+budget (`engines.base.continue_output`): every token keeps the weights version and log-prob it was
+sampled with, so staleness and truncated importance sampling are per token.
 
 Generation runs ahead of training by up to `grpo.maxStaleness` steps on dedicated engines (step s
 may start generating once the weights of step s-1-maxStaleness are synced), so every sample trained
@@ -332,11 +332,22 @@ class RolloutPipeline:
 
     # ---- weight sync points ----------------------------------------------------------------------
     def quiesce(self, names: Sequence[str]) -> list[str]:
-        """Before a weight sync: engines `names` stop generating. With rollout.partialRollouts the calls
-        in flight are interrupted (they return what they have, resumed after the sync; the returned
-        engines must be `resume_engines`d once their weights are in), else the sync waits for them (at
-        most a chunk each)."""
-        busy = [n for n in names if n in self.engines and self.busy({n})]
+        """Before a weight sync: engines `names` stop generating. With rollout.partialRollouts a call
+        in flight that holds requests of a step beyond the next one to train is interrupted (it
+        returns what it has, resumed after the sync; the returned engines must be `resume_engines`d
+        once their weights are in); the sync waits for the other calls (at most a chunk each). A call
+        of only the next step's requests is not interrupted: the trainer waits for them right after
+        the sync anyway, and resuming them would only prefill them again in smaller batches."""
+        ahead = self.owner.weights_version + 1  # the step the trainer takes next
+        busy = [
+            n
+            for n in names
+            if n in self.engines
+            and any(
+                c.engine == n and any(self._request_of[r][0] > ahead for r in c.ids if r in self._request_of)
+                for c in self.calls.values()
+            )
+        ]
         control: dict[str, Any] = {}
         if self.cfg.rollout.partial_rollouts:
             control = {n: self.rt.submit_control(self.engines[n].handle, "interrupt") for n in busy}
