@@ -709,3 +709,62 @@ def test_lost_rollout_pod_is_recreated_alone(
             "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=eng"
         ).stdout
         assert "RolloutPodReplaced" in events
+
+
+def _refit_report(step: int, t: float, *, generation_s: float, training_s: float) -> dict[str, Any]:
+    """What a driver of this round writes: the phases plus the batch's tokens and engines."""
+    return {
+        **_report(step, t, pressured=False, shared_awake=0, dedicated=1),
+        "intervalS": max(generation_s, training_s) + 0.5,
+        "generationS": generation_s,
+        "trainingS": training_s,
+        "promptTokens": 64 * 8 * 100,
+        "generatedTokens": 64 * 8 * 300,
+        "trainedTokens": 64 * 8 * 400,
+        "generationEngines": 1,
+        "prefillEngineS": 0.05 * generation_s,
+        "decodeEngineS": 0.95 * generation_s,
+    }
+
+
+def test_the_plan_refitted_from_the_jobs_reports_in_status_and_plan_from_job(
+    cluster: Any, crd: None, namespace: str, pool: Callable[..., str], kubeconfig_env: None
+) -> None:
+    """status.plan.refit compares the plan with the job's SyncReports, and `rljob plan --from-job`
+    prints the same comparison from the cluster (the job's RLJob and telemetry ConfigMap)."""
+    pool_name = pool(3)
+    spec = rljob("fit", pool_name)
+    spec["spec"]["model"]["config"] = {"preset": "qwen3-4b"}
+    with operator(namespace):
+        apply(cluster, namespace, spec)
+        wait_for("pods running", running_pods(cluster, namespace, "fit", 3))
+        assert "refit" not in (job_status(cluster, namespace, "fit").get("plan") or {})  # no report yet
+        now = time.time()
+        reports = [_refit_report(s, now + s, generation_s=40.0, training_s=20.0) for s in range(1, 6)]
+        cluster.kubectl("patch", "configmap", "fit-telemetry", "-n", namespace, "--type=merge",
+                        "-p", json.dumps({"data": {"reports.json": json.dumps(reports)}}))  # fmt: skip
+        fit = wait_for(
+            "status.plan.refit",
+            lambda: (job_status(cluster, namespace, "fit").get("plan") or {}).get("refit"),
+            30,
+        )
+    assert (fit["reports"], fit["fromStep"], fit["toStep"]) == (4, 2, 5)
+    assert fit["measuredStepSeconds"] == 40.5
+    assert fit["stepTimeRatio"] == round(fit["predictedStepSeconds"] / 40.5, 3)
+    assert fit["decodeTokensPerSecondPerEngine"]["measured"] == round(64 * 8 * 300 / (0.95 * 40.0), 3)
+    assert fit["trainingTokensPerSecond"]["measured"] == round(64 * 8 * 400 / 20.0, 3)
+    assert "the job measured 40.5 s" in fit["message"]
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    rljob_bin = str(Path(sys.executable).with_name("rljob"))
+    out = subprocess.run([rljob_bin, "plan", "--from-job", "fit", "-n", namespace, "-o", "json"],
+                         env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    printed = json.loads(out.stdout)
+    assert printed["refit"]["stepTimeRatio"] == pytest.approx(fit["stepTimeRatio"], abs=1e-3)
+    assert printed["refit"]["decodeScale"] == pytest.approx(fit["decodeScale"], abs=1e-4)
+    assert printed["refitPlan"]["rolloutEngines"] == fit["rolloutEngines"]
+    table = subprocess.run([rljob_bin, "plan", "--from-job", "fit", "-n", namespace],
+                           env=env, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "decode tokens/s per engine" in table and "predicted/measured" in table
+    missing = subprocess.run([rljob_bin, "plan", "--from-job", "nope", "-n", namespace],
+                             env=env, capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and "not found" in missing.stderr

@@ -237,3 +237,55 @@ def test_a_hung_engine_is_dropped_after_the_timeout_and_no_prompt_is_lost(
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
     # Pod 1 is alive, so a new engine joined at the next sync point with the current weights.
     assert "dedicated-1" in d.engines and d.engines["dedicated-1"].version == d.weights_version
+
+
+def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_new_weights(
+    ray_node: None,
+) -> None:
+    """maxStaleness 2 with partial rollouts: training (6 epochs of 4 mini-batches) is slower than
+    generation (one prompt group per call), so the engine runs ahead into the step after the next
+    and is mid-call at the sync points; that call is interrupted (Ray's control group reaches the
+    actor while it generates), the weights go over the gloo group, and the unfinished requests go
+    on under the new weights. A resumed sample's tokens span versions: its staleness (the oldest
+    token's) is above its tokens' mean, and no token is beyond the bound."""
+    import ray
+
+    cfg = toy_config(
+        lengths={"maxResponseTokens": 24},
+        grpo={
+            "maxSteps": 40,
+            "promptsPerStep": 4,
+            "maxStaleness": 2,
+            "policyLoss": "clipped-tis",
+            "tisCap": 2.0,
+            "ppoEpochs": 6,
+            "miniBatchesPerStep": 4,
+        },
+        rollout={
+            "sharedEngines": 0,
+            "dedicatedEngines": 1,
+            "maxDedicatedEngines": 2,
+            "partialRollouts": True,
+            "chunkPromptGroups": 1,
+        },
+        distributed={"numTrainerRanks": 1, "launcher": "ray", "rankNumCpus": 0.25},
+    )
+    d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg))
+    try:
+        d.setup()
+        rows = [d.step() for _ in range(6)]
+    finally:
+        d.shutdown()
+        for eng in d.engines.values():
+            ray.kill(eng.handle)
+        for rank in d.ranks:
+            ray.kill(rank)
+    assert d.pipeline.interrupted > 0
+    assert any(r["rollout/partial_fraction"] > 0 for r in rows)
+    assert all(r["rollout/staleness_max"] <= 2 and r["rollout/staleness_tokens_max"] <= 2 for r in rows)
+    assert any(r["rollout/staleness_tokens_mean"] < r["rollout/staleness_mean"] for r in rows)
+    assert all(r["rollout/regenerated_stale"] == 0 for r in rows)
+    assert all(0 < r["off_policy/is_weight_max"] < float("inf") for r in rows)  # TIS per token
+    report = d.state.history[-1]
+    assert report.generated_tokens > 0 and report.generation_engines == 1
+    assert report.prefill_engine_s is not None and report.decode_engine_s is not None

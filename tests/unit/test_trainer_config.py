@@ -138,12 +138,18 @@ def test_sync_report_json_is_camel_case():
         "evalMeanReward",
         "droppedPrompts",
         "trackerErrors",
+        "promptTokens",
+        "generatedTokens",
+        "trainedTokens",
+        "generationEngines",
+        "prefillEngineS",
+        "decodeEngineS",
     }
 
 
 def test_old_sync_reports_parse_with_empty_pod_lists():
     data = json.loads(telemetry.dump_reports([_report(1)]))[0]
-    for key in ("releasedRolloutPods", "lostRolloutPods", "stalenessMax"):
+    for key in ("releasedRolloutPods", "lostRolloutPods", "stalenessMax", "promptTokens", "decodeEngineS"):
         data.pop(key)
     report = telemetry.parse_reports(json.dumps([data]))[0]
     assert report.released_rollout_pods == [] and report.lost_rollout_pods == [] and report.staleness_max == 0

@@ -314,6 +314,45 @@ def compute_off_policy_metrics_reference(
     }
 
 
+# ---- per-token staleness (partial rollouts) -----------------------------------------------------
+def token_staleness(token_versions: torch.Tensor, *, trainer_version: int) -> torch.Tensor:
+    """Weight updates each token is behind the trainer (0 = on-policy). (T,) long -> (T,) long.
+
+    With partial rollouts one response spans weights versions (tokens before an interrupted weight
+    sync, tokens after it), so staleness, like the truncated IS weight, is a per-token quantity."""
+    return trainer_version - token_versions.to(torch.long)
+
+
+def compute_token_staleness_metrics(
+    token_versions: torch.Tensor, interrupted: torch.Tensor, *, trainer_version: int
+) -> dict[str, torch.Tensor]:
+    """How stale one batch's response tokens were, and how many of its requests were resumed.
+
+    token_versions: (T,) long over the batch's response tokens, the weights version each was sampled
+    with; interrupted: (N,) bool, request n was interrupted at a weight sync and resumed. Returns 0-d
+    tensors `rollout/staleness_tokens_mean`, `rollout/staleness_tokens_max`, `rollout/partial_fraction`
+    (zeros for an empty batch)."""
+    stale = token_staleness(token_versions, trainer_version=trainer_version).to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    return {
+        "rollout/staleness_tokens_mean": stale.mean() if stale.numel() else zero,
+        "rollout/staleness_tokens_max": stale.max() if stale.numel() else zero,
+        "rollout/partial_fraction": interrupted.to(torch.float64).mean() if interrupted.numel() else zero,
+    }
+
+
+def compute_token_staleness_metrics_reference(
+    token_versions: list[int], interrupted: list[bool], *, trainer_version: int
+) -> dict[str, float]:
+    """Slow reference of `compute_token_staleness_metrics`."""
+    stale = [float(trainer_version - v) for v in token_versions]
+    return {
+        "rollout/staleness_tokens_mean": sum(stale) / len(stale) if stale else 0.0,
+        "rollout/staleness_tokens_max": max(stale, default=0.0),
+        "rollout/partial_fraction": sum(interrupted) / len(interrupted) if interrupted else 0.0,
+    }
+
+
 # ---- KL ------------------------------------------------------------------------------------------
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
     """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1/k2/k3). (T,) -> (T,).

@@ -309,11 +309,29 @@ class RolloutSettings(_Model):
         "it from the RLJob's spec.resources.rollout.loraSync (adapter, the default, with model.finetune.mode "
         "lora).",
     )
+    chunk_prompt_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt groups per generate call on a dedicated engine: a weight sync waits for at most "
+        "the call in flight, so smaller chunks wait less but batch less. None: a step's share per engine "
+        "(one call per engine and step).",
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="At a weight sync, interrupt the dedicated engines' calls in flight, update the weights, "
+        "and resume each unfinished request from the tokens it has under the new weights (each token keeps "
+        "the weights version and log-prob it was sampled with). Off: the sync waits for the calls in flight.",
+    )
 
     @model_validator(mode="after")
     def _some_engine(self) -> RolloutSettings:
         if self.shared_engines + self.dedicated_engines < 1:
             raise ValueError("rollout needs at least one engine: sharedEngines + dedicatedEngines >= 1")
+        if self.partial_rollouts and self.kind == "vllm":
+            raise ValueError(
+                "rollout.partialRollouts is not implemented for vLLM engines yet (the transformers engine "
+                "implements it); set rollout.partialRollouts to false"
+            )
         return self
 
 

@@ -435,17 +435,18 @@ class GRPODriver:
 
     def _sync_awake_engines(self) -> None:
         """Right after training: the new weights into every engine that is not asleep (or draining).
-        Engines first finish the generate call they are on (an engine takes weights between calls)."""
+        Engines first finish the chunk they are on, or are interrupted (`RolloutPipeline.quiesce`)."""
         names = [
             n
             for n, e in self.engines.items()
             if not e.asleep and not e.draining and e.version != self.weights_version
         ]
         if names:
-            t0 = self.clock()  # the trainer idles here until the engines finish their calls
-            self.pipeline.pump(lambda: not self.pipeline.busy(names), admit=False)
+            t0 = self.clock()  # the trainer idles here until the engines stop generating
+            interrupted = self.pipeline.quiesce(names)
             self.pipeline.trainer_wait_s += self.clock() - t0
             self._update_engine_weights([n for n in names if n in self.engines])
+            self.pipeline.resume_engines(interrupted)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -597,10 +598,12 @@ class GRPODriver:
             "rollout/regenerated_stale": self.pipeline.regenerated,
             **ds_metrics,
             "data/dropped_prompts": self.dropped_prompts,
+            **pipeline.rollout_step_metrics(outs, step - 1),
             "trainer_wait_s": self.pipeline.trainer_wait_s,
             "lookahead": self.lookahead,
             "response_len_mean": sum(resp_lens) / len(resp_lens),
             "tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "trained_tokens": tokens,
             "generation_s": gen_s,
             "training_s": train_s,
             "weight_sync_s": sync_s,
@@ -647,6 +650,12 @@ class GRPODriver:
             dropped_prompts=self.dropped_prompts,
             tracker_errors=self.tracker.errors,
             checkpoint_fallback=self._resume_note,
+            prompt_tokens=int(metrics["rollout/prompt_tokens"]),
+            generated_tokens=int(metrics["rollout/generated_tokens"]),
+            trained_tokens=int(metrics["trained_tokens"]),
+            generation_engines=int(metrics["rollout/generation_engines"]),
+            prefill_engine_s=metrics.get("rollout/prefill_engine_s"),
+            decode_engine_s=metrics.get("rollout/decode_engine_s"),
         )
         self._resume_note = None
         self.pipeline.trainer_wait_s = 0.0

@@ -25,6 +25,8 @@ log = logging.getLogger("rljob_trainer.runtimes")
 
 # How long the driver waits for the trainer pods to join the Ray cluster with their accelerators.
 PLACEMENT_TIMEOUT_S = 600.0
+# The Ray concurrency group of `Host.control`: interrupt/resume reach an engine while it generates.
+CONTROL_GROUP = "control"
 
 
 class Host:
@@ -72,6 +74,17 @@ class Host:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         target = self if method in self.OWN_METHODS else self.obj
         return getattr(target, method)(*args, **kwargs)
+
+    # The engine calls that must reach it while a `call` (generate) runs: the Ray actor runs them in
+    # its own concurrency group (`CONTROL_GROUP`), beside the one-at-a-time `call`s.
+    CONTROL_METHODS = frozenset({"interrupt", "resume"})
+
+    def control(self, method: str) -> Any:
+        if method not in self.CONTROL_METHODS:
+            raise ValueError(
+                f"{method!r} is not a control call; valid: {', '.join(sorted(self.CONTROL_METHODS))}"
+            )
+        return getattr(self.obj, method)()
 
     # ---- weight sync over a collective (rljob_trainer.rollout.weight_sync), one group per engine ----------
     # Trainer rank 0 is rank 0 of every engine's group; the engine is rank 1. Each group has its own
@@ -293,6 +306,9 @@ class LocalRuntime:
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return _Done(handle.call(method, *args, **kwargs))
 
+    def submit_control(self, handle: Any, method: str) -> Any:
+        return _Done(handle.control(method))
+
     def wait_any(self, futures: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
         del timeout_s  # every local call finished when it was submitted
         return list(futures)
@@ -348,7 +364,7 @@ class RayRuntime:
 
         self.cfg = cfg
         self._ray = ray
-        self._host_cls = ray.remote(host_cls or Host)
+        self._host_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(host_cls or Host)
         self.plan = placement.plan_from_config(cfg)
         self._timeout_s = timeout_s
         self._groups: list[Any] = []
@@ -440,6 +456,10 @@ class RayRuntime:
 
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return handle.call.remote(method, *args, **kwargs)
+
+    def submit_control(self, handle: Any, method: str) -> Any:
+        """A control call (`Host.CONTROL_METHODS`) that runs beside the engine's `call` in flight."""
+        return handle.control.options(concurrency_group=CONTROL_GROUP).remote(method)
 
     def where(self, handle: Any) -> Any:
         """A future of Ray's record of where `handle` runs (`Host.where`)."""

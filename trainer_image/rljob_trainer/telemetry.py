@@ -89,6 +89,27 @@ class SyncReport(BaseModel):
     staleness_max: int = Field(
         0, alias="stalenessMax", ge=0, description="Most weight updates a trained sample was behind."
     )
+    # What the step's batch cost, for refitting the estimator's rates from the job (`rljob plan
+    # --from-job`, status.plan.refit). 0 / None: not measured (a driver from before these fields).
+    prompt_tokens: int = Field(
+        0, alias="promptTokens", ge=0, description="Prompt tokens of the step's batch."
+    )
+    generated_tokens: int = Field(
+        0, alias="generatedTokens", ge=0, description="Response tokens the engines generated for the batch."
+    )
+    trained_tokens: int = Field(0, alias="trainedTokens", ge=0, description="Tokens the trainer trained on.")
+    generation_engines: int = Field(
+        0, alias="generationEngines", ge=0, description="Engines that generated the step's batch."
+    )
+    prefill_engine_s: float | None = Field(
+        None,
+        alias="prefillEngineS",
+        ge=0,
+        description="Engine-seconds of prefill for the batch (if measured).",
+    )
+    decode_engine_s: float | None = Field(
+        None, alias="decodeEngineS", ge=0, description="Engine-seconds of decode for the batch (if measured)."
+    )
 
     eval_mean_reward: float | None = Field(
         None,

@@ -171,6 +171,22 @@ class RolloutSpec(_Spec):
         "then sleep at level 1, keeping the base in host memory) or merged (the engines serve the merged "
         "model, and every sync sends all weights).",
     )
+    chunk_prompt_groups: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Prompt groups per generate call on a dedicated engine: a weight sync waits for at most "
+        "the call in flight, so smaller chunks wait less and batch less. Default: a step's share per engine.",
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="At a weight sync, interrupt the dedicated engines' requests in flight, update the "
+        "weights "
+        "and resume each from the tokens it has under the new weights (AReaL's interruptible generation); "
+        "every token keeps the weights version and log-prob it was sampled with, so staleness and the "
+        "truncated importance weights are per token. false: the sync waits for the calls in flight. CPU "
+        "(transformers) engines only for now.",
+    )
 
 
 class AdaptiveSpec(_Spec):
@@ -272,6 +288,14 @@ class ResourcesSpec(_Spec):
                 s.static is None
                 or s.static.trainer_accelerators + s.static.rollout_accelerators <= s.total_accelerators
             ),
+        ),
+        CelRule(
+            rule="!self.rollout.partialRollouts || self.accelerator.kind == 'cpu'",
+            message="spec.resources.rollout.partialRollouts is implemented for CPU (transformers) engines "
+            "only; "
+            "the vLLM engine does not interrupt and resume requests yet: set it to false",
+            field_path=".rollout.partialRollouts",
+            check=lambda s: not s.rollout.partial_rollouts or s.accelerator.kind == "cpu",
         ),
         CelRule(
             rule="!has(self.static) || !has(self.rollout.tensorParallel) "

@@ -40,6 +40,43 @@ class Condition(_Status):
     )
 
 
+class RefitRate(_Status):
+    """One rate (tokens per second) as the plan modelled it and as the job measured it."""
+
+    planned: float | None = Field(None, ge=0, description="The estimator's roofline at the measured lengths.")
+    measured: float | None = Field(
+        None, ge=0, description="From the job's SyncReports (absent: not measured)."
+    )
+
+
+class PlanRefit(_Status):
+    """The plan checked against the job: the rates and step time it measured, and the plan the
+    estimator makes with them (`rljob plan --from-job` prints the same)."""
+
+    reports: int | None = Field(None, ge=0, description="SyncReports the refit read.")
+    from_step: int | None = Field(None, ge=0, description="First step of those reports.")
+    to_step: int | None = Field(None, ge=0, description="Last step of those reports.")
+    predicted_step_seconds: float | None = Field(None, ge=0, description="The plan's step time.")
+    measured_step_seconds: float | None = Field(
+        None, ge=0, description="Median interval between the job's sync points."
+    )
+    step_time_ratio: float | None = Field(
+        None, ge=0, description="Predicted / measured step time (1: the plan was right)."
+    )
+    decode_tokens_per_second_per_engine: RefitRate | None = Field(None, description="Decode, one engine.")
+    prefill_tokens_per_second_per_engine: RefitRate | None = Field(None, description="Prefill, one engine.")
+    training_tokens_per_second: RefitRate | None = Field(None, description="The trainer's update.")
+    decode_scale: float | None = Field(None, ge=0, description="Measured / modelled decode time.")
+    prefill_scale: float | None = Field(None, ge=0, description="Measured / modelled prefill time.")
+    training_scale: float | None = Field(None, ge=0, description="Measured / modelled training time.")
+    trainer_accelerators: int | None = Field(
+        None, ge=0, description="The refitted plan's trainer accelerators."
+    )
+    rollout_engines: int | None = Field(None, ge=0, description="The refitted plan's dedicated engines.")
+    step_seconds: float | None = Field(None, ge=0, description="The refitted plan's step time.")
+    message: str | None = Field(None, max_length=1024, description="The comparison in one sentence.")
+
+
 class PlanStatus(_Status):
     """The trainer/rollout plan the estimator (or the static split) chose."""
 
@@ -64,6 +101,11 @@ class PlanStatus(_Status):
         default_factory=list,
         max_length=64,
         description="Why the estimator chose these numbers, one line each.",
+    )
+    refit: PlanRefit | None = Field(
+        None,
+        description="The plan refitted from the job's SyncReports: measured rates beside the planned ones, "
+        "and the plan the estimator makes with them.",
     )
 
 

@@ -144,6 +144,8 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
         "max_dedicated_engines": max_dedicated,
         "engine_timeout_s": res.rollout.engine_timeout_seconds,
         "weight_sync": "object-store" if res.rollout.weight_sync == "objectStore" else "collective",
+        "chunk_prompt_groups": res.rollout.chunk_prompt_groups,
+        "partial_rollouts": res.rollout.partial_rollouts,
     }
 
 

@@ -1,4 +1,5 @@
-"""The `rljob` command: plan or render a job offline, validate manifests, generate the CRD, run the operator.
+"""The `rljob` command: plan or render a job offline (or refit a running job's plan from its
+measurements: `rljob plan --from-job`), validate manifests, generate the CRD, run the operator.
 
 Entry point of the `rljob` console script. A thin shell: every subcommand parses its flags and calls
 one function of the core (`planning.plan_job`, `crd.write_crds`, `handlers.run_operator`, the latter
@@ -69,7 +70,68 @@ def _print_plan(plan: est.ResourcePlan, output: str, title: str) -> None:
         print(est.format_plan_table(plan))
 
 
+def _job_model_config(core: Any, namespace: str, spec: api.RLJobSpec, override: str | None) -> dict[str, Any]:
+    """The model config the operator planned the job with (a configMapRef is read from the cluster)."""
+    ref = spec.model.config.config_map_ref
+    if override or ref is None:
+        return _model_config(spec, override)
+    data = core.read_namespaced_config_map(ref.name, namespace).data or {}
+    if ref.key not in data:
+        raise SystemExit(f"ConfigMap {ref.name!r} has no key {ref.key!r} (spec.model.config.configMapRef)")
+    return dict(json.loads(data[ref.key]))
+
+
+def cmd_plan_from_job(args: argparse.Namespace) -> int:
+    """The job's plan beside what it measured: the plan refitted from its SyncReports."""
+    from kubernetes.client.rest import ApiException
+
+    from rljob_operator import names
+    from rljob_trainer import telemetry
+
+    core, custom = console._clients(args.kubeconfig, args.context)
+    namespace = console._namespace(args.namespace, args.context)
+    name = args.from_job
+    try:
+        rljob = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            print(f"rljob plan: RLJob {name!r} not found in namespace {namespace!r}", file=sys.stderr)
+            return 1
+        raise
+    spec = _parse_spec(rljob, f"RLJob {namespace}/{name}")
+    try:
+        cm = core.read_namespaced_config_map(names.telemetry_config_map_name(name), namespace)
+        reports = telemetry.parse_reports((cm.data or {}).get(telemetry.REPORTS_KEY))
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        reports = []
+    model_config = _job_model_config(core, namespace, spec, args.model_config)
+    fitted = planning.refit_job(spec, model_config, reports)
+    if fitted is None:
+        _print_plan(planning.plan_job(spec, model_config), args.output, f"RLJob {namespace}/{name}")
+        print(
+            f"rljob plan: RLJob {namespace}/{name} has no SyncReport with timed phases and token counts yet "
+            f"({len(reports)} report(s) in ConfigMap {names.telemetry_config_map_name(name)}): "
+            "nothing to refit",
+            file=sys.stderr,
+        )
+        return 3
+    if args.output == "json":
+        print(json.dumps(est.refit_to_json(fitted.plan, fitted.fit), indent=2, sort_keys=True))
+    else:
+        print(f"# RLJob {namespace}/{name}: the plan refitted from the job's measurements")
+        print(est.format_refit_table(fitted.plan, fitted.fit))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.from_job:
+        try:
+            return cmd_plan_from_job(args)
+        except est.EstimatorError as exc:
+            print(f"rljob plan: {exc.reason}: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.filename:
             for doc in _read_rljobs(args.filename):
@@ -203,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-f", "--filename", help="RLJob manifest (YAML, - for stdin)")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--model-config", help="the model's config.json (overrides the manifest's)")
+    job = plan.add_argument_group(
+        "--from-job: the plan of a running or finished job, refitted from its SyncReports"
+    )
+    job.add_argument("--from-job", metavar="NAME", help="an RLJob in the cluster (current kubeconfig)")
+    job.add_argument("-n", "--namespace", help="its namespace (default: the context's)")
+    job.add_argument("--kubeconfig", default=None)
+    job.add_argument("--context", default=None)
     flags = plan.add_argument_group("without -f: the job's numbers")
     flags.add_argument(
         "--accelerator", default="H100-80GB", help="catalog name, e.g. H100-80GB, H200, Ascend910B3"

@@ -1,17 +1,22 @@
 """From an RLJob spec to the estimator's plan: the one adapter between `api` and `estimator`.
 
 Called by the operator's reconcile (`steps._compute_plan`) and by `rljob plan`, so both see the
-same numbers; `plan_status` is the plan as `status.plan` and the builders see it. Pure: the model
-config is passed in, already read by the caller.
+same numbers; `plan_status` is the plan as `status.plan` and the builders see it; `refit_job` and
+`refit_status` are the plan refitted from the job's SyncReports (`status.plan.refit`, `rljob plan
+--from-job`). Pure: the model config and the reports are passed in, already read by the caller.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from rljob_operator import api
 from rljob_operator import estimator as est
 from rljob_operator import quantity as quantity_mod
+from rljob_operator.estimator import refit as refit_mod
+from rljob_trainer import telemetry
 
 # CPU jobs (kind cpu) have no accelerator: plan them on a nominal "device" so the KV arithmetic
 # still explains the engine settings. Memory is the pod's memory; bandwidth and peak are those of
@@ -113,4 +118,78 @@ def plan_status(plan: est.ResourcePlan) -> api.PlanStatus:
         max_num_seqs=plan.max_num_seqs,
         max_num_batched_tokens=plan.max_num_batched_tokens,
         reasons=list(plan.reasons)[:MAX_PLAN_REASONS],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRefit:
+    """A job's plan refitted from its reports: the request and plan it was made from, and the fit."""
+
+    request: est.PlanRequest
+    plan: est.ResourcePlan
+    fit: refit_mod.Refit
+
+    def engine_curve(self, max_engines: int) -> refit_mod.EngineCurve:
+        """The refitted step model at 1..max_engines engines (what the adaptive policy reads)."""
+        return refit_mod.engine_curve(self.request, self.plan, self.fit, max_engines=max_engines)
+
+
+def refit_job(
+    spec: api.RLJobSpec, model_config: dict[str, Any], reports: Sequence[telemetry.SyncReport]
+) -> JobRefit | None:
+    """The job's plan against its SyncReports (None while none is usable). Raises `EstimatorError`
+    like `plan_job`."""
+    request = plan_request_from_spec(spec, model_config)
+    plan = est.plan_resources(request)
+    fit = refit_mod.refit(request, plan, reports)
+    return None if fit is None else JobRefit(request, plan, fit)
+
+
+def refit_message(fit: refit_mod.Refit) -> str:
+    """The comparison in one sentence (status.plan.refit.message, the CLI's summary)."""
+    d = fit.decode_tokens_per_s_per_engine
+    t = fit.training_tokens_per_s
+    parts = [
+        f"steps {fit.from_step}-{fit.to_step}: the plan predicted a {fit.predicted_step_s:.1f} s step, "
+        f"the job measured {fit.measured_step_s:.1f} s (predicted/measured {fit.step_time_ratio:.2f})",
+        f"decode ran at x{1 / fit.decode_scale:.2f} the planned rate",
+        f"training at x{1 / fit.training_scale:.2f}",
+    ]
+    if d.measured is not None:
+        parts[1] += f" ({d.measured:.0f} vs {d.planned:.0f} tokens/s per engine)"
+    if t.measured is not None:
+        parts[2] += f" ({t.measured:.0f} vs {t.planned:.0f} tokens/s)"
+    p = fit.plan
+    parts.append(
+        f"with the measured rates the estimator plans {p.trainer_accelerators} trainer accelerator(s) and "
+        f"{p.rollout_engines} dedicated engine(s), a {p.step_time_s:.1f} s step"
+    )
+    return "; ".join(parts)
+
+
+def _rate(rate: refit_mod.Rate) -> api.RefitRate:
+    return api.RefitRate(
+        planned=round(rate.planned, 3), measured=None if rate.measured is None else round(rate.measured, 3)
+    )
+
+
+def refit_status(fit: refit_mod.Refit) -> api.PlanRefit:
+    """The refit as `status.plan.refit` holds it."""
+    return api.PlanRefit(
+        reports=fit.reports,
+        from_step=fit.from_step,
+        to_step=fit.to_step,
+        predicted_step_seconds=round(fit.predicted_step_s, 3),
+        measured_step_seconds=round(fit.measured_step_s, 3),
+        step_time_ratio=round(fit.step_time_ratio, 3),
+        decode_tokens_per_second_per_engine=_rate(fit.decode_tokens_per_s_per_engine),
+        prefill_tokens_per_second_per_engine=_rate(fit.prefill_tokens_per_s_per_engine),
+        training_tokens_per_second=_rate(fit.training_tokens_per_s),
+        decode_scale=round(fit.decode_scale, 4),
+        prefill_scale=round(fit.prefill_scale, 4),
+        training_scale=round(fit.training_scale, 4),
+        trainer_accelerators=fit.plan.trainer_accelerators,
+        rollout_engines=fit.plan.rollout_engines,
+        step_seconds=round(fit.plan.step_time_s, 3),
+        message=refit_message(fit)[:1024],
     )

@@ -64,6 +64,18 @@ Steps, in order (one step per call)
 - `calmSyncPointsBeforeScaleDown` consecutive calm points undo the last kind of step first: remove
   an added dedicated engine (it holds accelerators other jobs can use), then put a shared engine
   back to sleep. The planned dedicated engines are a floor.
+
+How many engines one decision adds or removes
+---------------------------------------------
+Without a refit, one: the streak rules above see only whether the trainer waited, not by how much.
+With the job's refitted model (`estimator.refit.EngineCurve`: generation seconds by engine count
+and training seconds, fitted from the job's own SyncReports) a decision goes straight to the
+count the measurements call for (`EngineCurve.steady_engines`: the fewest engines whose step is
+within 5 % of the best any count reaches: generation hidden behind training, or as short as more
+engines make it): an add goes up to it (at least one more, within the limit and the idle
+accelerators), a removal down to it (at least one fewer, never below the plan). So a job whose
+real generation rate is far from the plan's reaches its steady count in one or two decisions
+instead of one per streak.
 """
 
 from __future__ import annotations
@@ -74,6 +86,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rljob_operator.estimator import refit as refit_mod
 from rljob_trainer import telemetry
 
 Action = Literal["none", "wake_shared", "add_dedicated", "sleep_shared", "remove_dedicated"]
@@ -348,16 +361,28 @@ def _clamp_to_limits(state: RolloutState, settings: PolicySettings) -> Decision 
     )
 
 
+def refit_dedicated_target(state: RolloutState, curve: refit_mod.EngineCurve | None) -> int | None:
+    """The dedicated engines the refitted model calls for with every shared engine awake (its
+    `steady_engines`: generation behind training, or as short as more engines make it), or None
+    without a refit."""
+    if curve is None:
+        return None
+    return max(0, curve.steady_engines() - state.shared_engines_total)
+
+
 def decide(
     state: RolloutState,
     history: Sequence[telemetry.SyncReport],
     settings: PolicySettings,
     now: float,
+    *,
+    refit: refit_mod.EngineCurve | None = None,
 ) -> Decision:
     """One adaptive step from the sync-point history (oldest first) at time `now` (unix s).
 
     Pure and deterministic. See the module docstring for the rules; `Decision.reason` names the
-    numbers, thresholds and sync points behind the step."""
+    numbers, thresholds and sync points behind the step. `refit` (the job's refitted model) sets how
+    many engines one add or removal moves."""
     clamped = _clamp_to_limits(state, settings)
     if clamped is not None:
         return clamped
@@ -403,13 +428,24 @@ def decide(
         state.shared_engines_awake < state.shared_engines_total
     ):
         why = _describe(readings, pressured, settings)
+        wake, sized = 1, ""
+        if refit is not None:  # as many as the refitted model calls for (shared ones cost no accelerator)
+            wanted = refit.steady_engines()
+            sleeping = state.shared_engines_total - state.shared_engines_awake
+            wake = max(1, min(sleeping, wanted - state.engines_awake))
+            if wake > 1:
+                sized = (
+                    f"; {refit.reason}: the step is shortest with {wanted} engine(s), so wake {wake} at once"
+                )
+        first, last = state.shared_engines_awake + 1, state.shared_engines_awake + wake
+        which = f"engine {first}" if wake == 1 else f"engines {first}-{last}"
         return step(
             "wake_shared",
-            state.shared_engines_awake + 1,
+            state.shared_engines_awake + wake,
             state.dedicated_engines,
             f"{pressured} pressured sync points ≥ wakeAfterPressuredSyncPoints="
-            f"{settings.wake_after_pressured_sync_points} ({why}): wake shared engine "
-            f"{state.shared_engines_awake + 1} of {state.shared_engines_total}",
+            f"{settings.wake_after_pressured_sync_points} ({why}): wake shared {which} "
+            f"of {state.shared_engines_total}{sized}",
         )
     if pressured >= settings.scale_up_after_pressured_sync_points and (
         state.shared_engines_awake == state.shared_engines_total
@@ -422,14 +458,34 @@ def decide(
                 f"pressured ({why}) but {state.idle_accelerators} idle accelerators < "
                 f"{state.accelerators_per_engine} per engine"
             )
+        add, sized = 1, ""
+        wanted = refit_dedicated_target(state, refit)
+        if refit is not None and wanted is not None and wanted <= state.dedicated_engines:
+            return keep(
+                f"pressured ({why}) but {refit.reason}: more than {state.dedicated_engines} dedicated "
+                f"engine(s) would shorten the step by less than {refit_mod.STEADY_TOLERANCE:.0%} "
+                "(its longest "
+                "samples or training bound it)"
+            )
+        if refit is not None and wanted is not None and wanted > state.dedicated_engines + 1:
+            room = state.idle_accelerators // state.accelerators_per_engine
+            if limit is not None:
+                room = min(room, limit - state.dedicated_engines)
+            add = max(1, min(wanted - state.dedicated_engines, room))
+            sized = (
+                f"; {refit.reason}: the step is shortest with {wanted} dedicated engine(s), "
+                f"so add {add} at once"
+            )
+        first, last = state.dedicated_engines + 1, state.dedicated_engines + add
+        which = f"engine {first}" if add == 1 else f"engines {first}-{last}"
         return step(
             "add_dedicated",
             state.shared_engines_awake,
-            state.dedicated_engines + 1,
+            state.dedicated_engines + add,
             f"{pressured} pressured sync points ≥ scaleUpAfterPressuredSyncPoints="
             f"{settings.scale_up_after_pressured_sync_points} with all {state.shared_engines_total} "
-            f"shared engines awake ({why}): add dedicated engine {state.dedicated_engines + 1} on "
-            f"{state.accelerators_per_engine} of {state.idle_accelerators} idle accelerators",
+            f"shared engines awake ({why}): add dedicated {which} on "
+            f"{add * state.accelerators_per_engine} of {state.idle_accelerators} idle accelerators{sized}",
         )
     if calm >= settings.calm_sync_points_before_scale_down:
         why = _describe_calm(readings, calm, settings)
@@ -438,12 +494,23 @@ def decide(
             f"{settings.calm_sync_points_before_scale_down}"
         )
         if state.dedicated_engines > state.planned_dedicated_engines:
+            target, sized = state.dedicated_engines - 1, ""
+            wanted = refit_dedicated_target(state, refit)
+            if refit is not None and wanted is not None and wanted < target:
+                target = max(wanted, state.planned_dedicated_engines)
+                sized = f"; {refit.reason}: {wanted} dedicated engine(s) are enough"
+            gone = state.dedicated_engines - target
+            which = (
+                f"engine {state.dedicated_engines}"
+                if gone == 1
+                else f"engines {target + 1}-{state.dedicated_engines}"
+            )
             return step(
                 "remove_dedicated",
                 state.shared_engines_awake,
-                state.dedicated_engines - 1,
-                f"{head} ({why}): remove dedicated engine {state.dedicated_engines} "
-                f"(plan has {state.planned_dedicated_engines})",
+                target,
+                f"{head} ({why}): remove dedicated {which} "
+                f"(plan has {state.planned_dedicated_engines}){sized}",
             )
         if state.shared_engines_awake > 0:
             return step(

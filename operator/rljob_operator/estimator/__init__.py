@@ -4,7 +4,8 @@ The operator calls :func:`plan_resources` in every reconcile to size trainer and
 ``rljob plan`` prints the same plan offline. See the submodules for the rules:
 :mod:`.geometry` (config.json -> KV/state bytes), :mod:`.rollout` (vLLM engine sizing),
 :mod:`.trainer` (FSDP2 memory), :mod:`.throughput` (step-time model), :mod:`.planner` (split),
-:mod:`.devices` (accelerator catalog), :mod:`.report` (table / JSON), :mod:`.presets`.
+:mod:`.devices` (accelerator catalog), :mod:`.report` (table / JSON), :mod:`.presets`,
+:mod:`.refit` (the plan checked against a running job's SyncReports, and re-planned).
 """
 
 from rljob_operator.errors import EstimatorError
@@ -12,7 +13,7 @@ from rljob_operator.estimator.devices import DEFAULT_CATALOG, DeviceSpec, get_de
 from rljob_operator.estimator.geometry import ModelGeometry
 from rljob_operator.estimator.planner import PlanRequest, ResourcePlan, plan_resources
 from rljob_operator.estimator.presets import load_preset, preset_names
-from rljob_operator.estimator.report import format_plan_table, plan_to_json
+from rljob_operator.estimator.report import format_plan_table, format_refit_table, plan_to_json, refit_to_json
 from rljob_operator.estimator.rollout import EngineSizing, KVCacheLayout, compute_kv_cache_layout, size_engine
 
 __all__ = [
@@ -26,11 +27,13 @@ __all__ = [
     "ResourcePlan",
     "compute_kv_cache_layout",
     "format_plan_table",
+    "format_refit_table",
     "get_device",
     "load_preset",
     "merge_catalog",
     "plan_resources",
     "plan_to_json",
     "preset_names",
+    "refit_to_json",
     "size_engine",
 ]

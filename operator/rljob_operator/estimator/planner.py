@@ -81,6 +81,21 @@ class PlanRequest(BaseModel):
     )
     bandwidth_efficiency: float = Field(default=throughput.DEFAULT_BANDWIDTH_EFFICIENCY, gt=0, le=1)
     trainer_memory_fraction: float = Field(default=0.95, gt=0, le=1)
+    decode_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description="Measured / modelled decode time (a refit from the job; 1: as modelled).",
+    )
+    prefill_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description="Measured / modelled prefill time (a refit from the job; 1: as modelled).",
+    )
+    training_scale: float = Field(
+        default=1.0,
+        gt=0,
+        description="Measured / modelled training time (a refit from the job; 1: as modelled).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PlanRequest:
@@ -153,8 +168,9 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StepTimes:
-    """The throughput model of one job: generation and training seconds per step."""
+class StepTimes:
+    """The throughput model of one job: generation and training seconds per step (with the request's
+    refit scales, 1 unless refitted from the job's measurements)."""
 
     model: geometry.ModelGeometry
     device: devices.DeviceSpec
@@ -163,8 +179,9 @@ class _StepTimes:
     tensor_parallel: int
     max_num_seqs: int
 
-    def generation_s(self, engines: int) -> float:
-        return throughput.generation_time_s(
+    def generation_parts_s(self, engines: int) -> tuple[float, float]:
+        """(prefill, decode) seconds on ``engines`` engines, as modelled (no refit scales)."""
+        return throughput.generation_parts_s(
             self.model,
             self.device,
             self.workload,
@@ -176,6 +193,10 @@ class _StepTimes:
             bandwidth_efficiency=self.request.bandwidth_efficiency,
         )
 
+    def generation_s(self, engines: int) -> float:
+        prefill_s, decode_s = self.generation_parts_s(engines)
+        return self.request.prefill_scale * prefill_s + self.request.decode_scale * decode_s
+
     def training_s(self, accelerators: int) -> float:
         return throughput.training_time_s(
             self.model,
@@ -184,6 +205,7 @@ class _StepTimes:
             accelerators=accelerators,
             lora=self.request.lora,
             mfu=self.request.mfu,
+            scale=self.request.training_scale,
         )
 
 
@@ -223,7 +245,7 @@ def split_colocated(total: int, n_min: int, tp: int) -> Split:
     )
 
 
-def split_by_step_time(times: _StepTimes, total: int, n_min: int, tp: int) -> Split:
+def split_by_step_time(times: StepTimes, total: int, n_min: int, tp: int) -> Split:
     """estimate mode: the trainer size minimising max(generation, training) per step.
 
     Ties go to the split leaving fewer accelerators idle, then to the smaller trainer.
@@ -249,7 +271,7 @@ def split_by_step_time(times: _StepTimes, total: int, n_min: int, tp: int) -> Sp
     )
 
 
-def adaptive_reserve(times: _StepTimes, n_trainer: int, dedicated: int, shared: int) -> tuple[int, str]:
+def adaptive_reserve(times: StepTimes, n_trainer: int, dedicated: int, shared: int) -> tuple[int, str]:
     """adaptive mode: how many dedicated engines to start with, and why.
 
     Sleeping engines add capacity only while the trainer waits, so free a dedicated engine only
@@ -267,6 +289,25 @@ def adaptive_reserve(times: _StepTimes, n_trainer: int, dedicated: int, shared: 
         f"{budget_s / ADAPTIVE_SLACK:.1f} s "
         "with no engine woken); freed accelerators stay idle for extra engines under pressure"
     )
+
+
+def workload_of(request: PlanRequest) -> throughput.Workload:
+    """One step's lengths and batch as the request states them (means default to half the maxima)."""
+    return throughput.Workload(
+        prompts_per_step=request.prompts_per_step,
+        group_size=request.group_size,
+        max_prompt_tokens=request.max_prompt_tokens,
+        max_completion_tokens=request.max_completion_tokens,
+        mean_prompt_tokens=request.mean_prompt_tokens or max(1, request.max_prompt_tokens // 2),
+        mean_completion_tokens=request.mean_completion_tokens or max(1, request.max_completion_tokens // 2),
+    )
+
+
+def step_times(request: PlanRequest, plan: ResourcePlan) -> StepTimes:
+    """The throughput model behind `plan` (made from `request`), for other engine or trainer counts."""
+    model = _model(request)
+    device = devices.get_device(request.accelerator, request.custom_devices)
+    return StepTimes(model, device, workload_of(request), request, plan.tensor_parallel, plan.max_num_seqs)
 
 
 def plan_resources(request: PlanRequest) -> ResourcePlan:
@@ -321,16 +362,12 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         reasons.append(tp_reason)
     reasons.extend(engine.reasons)
     tp = engine.tensor_parallel
-    workload = throughput.Workload(
-        prompts_per_step=request.prompts_per_step,
-        group_size=request.group_size,
-        max_prompt_tokens=request.max_prompt_tokens,
-        max_completion_tokens=request.max_completion_tokens,
-        mean_prompt_tokens=request.mean_prompt_tokens or max(1, request.max_prompt_tokens // 2),
-        mean_completion_tokens=request.mean_completion_tokens or max(1, request.max_completion_tokens // 2),
-    )
-
-    times = _StepTimes(model, device, workload, request, tp, engine.max_num_seqs)
+    times = StepTimes(model, device, workload_of(request), request, tp, engine.max_num_seqs)
+    if (request.decode_scale, request.prefill_scale, request.training_scale) != (1.0, 1.0, 1.0):
+        reasons.append(
+            f"refitted from the job's measurements: decode x{request.decode_scale:.2f}, prefill "
+            f"x{request.prefill_scale:.2f}, training x{request.training_scale:.2f} the roofline's times"
+        )
     gen_s, train_s = times.generation_s, times.training_s
     adaptive = request.mode == "adaptive"
     min_trainer, trainer_reason = trainer.min_trainer_accelerators(

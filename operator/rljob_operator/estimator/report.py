@@ -1,14 +1,15 @@
 """Render a :class:`ResourcePlan` for people (a table) and for machines (camelCase JSON).
 
-Role: the presentation layer of ``rljob plan`` (``-o table`` default, ``-o json``) and of the
-operator's status/event text. Callers: ``rljob_operator.cli.commands`` and ``handlers``.
+Role: the presentation layer of ``rljob plan`` (``-o table`` default, ``-o json``), of ``rljob plan
+--from-job`` (the plan beside the job's measurements: ``format_refit_table``) and of the operator's
+status/event text. Callers: ``rljob_operator.cli.commands`` and ``handlers``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rljob_operator.estimator import planner
+from rljob_operator.estimator import planner, refit
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -114,3 +115,62 @@ def format_plan_table(plan: planner.ResourcePlan) -> str:
     lines.append("Reasons:")
     lines += [f"  - {r}" for r in p.reasons]
     return "\n".join(lines)
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def format_refit_table(original: planner.ResourcePlan, fit: refit.Refit) -> str:
+    """The plan beside what the job measured: rates (planned, measured, measured/planned), the step
+    time predicted against the measured one, and the plan the estimator makes with the measured
+    rates beside the original."""
+    rates = [
+        ("decode tokens/s per engine", fit.decode_tokens_per_s_per_engine),
+        ("prefill tokens/s per engine", fit.prefill_tokens_per_s_per_engine),
+        ("training tokens/s", fit.training_tokens_per_s),
+    ]
+    lines = [
+        f"Measured over steps {fit.from_step}-{fit.to_step} ({fit.reports} SyncReports, "
+        f"{fit.engines} engine(s); "
+        f"mean prompt {fit.mean_prompt_tokens}, mean completion {fit.mean_completion_tokens} tokens)",
+        "",
+        f"{'RATE':30}  {'PLANNED':>12}  {'MEASURED':>12}  MEASURED/PLANNED",
+    ]
+    for name, rate in rates:
+        ratio = rate.measured_over_planned
+        lines.append(
+            f"{name:30}  {_rate(rate.planned):>12}  {_rate(rate.measured):>12}  "
+            f"{'-' if ratio is None else f'{ratio:.2f}'}"
+        )
+    if not fit.split_measured:
+        lines.append("  (the engines did not time prefill and decode apart: one scale fits both)")
+    lines += [
+        "",
+        f"step time: predicted {fit.predicted_step_s:.2f} s, measured {fit.measured_step_s:.2f} s, "
+        f"predicted/measured {fit.step_time_ratio:.2f} (the refitted model: {fit.refit_step_s:.2f} s at "
+        f"{fit.engines} engine(s))",
+        f"scales (measured / modelled time): decode {fit.decode_scale:.2f}, prefill {fit.prefill_scale:.2f}, "
+        f"training {fit.training_scale:.2f}",
+        "",
+        f"{'PLAN':24}  {'ORIGINAL':>10}  {'MEASURED RATES':>14}",
+    ]
+    p = fit.plan
+    for name, a, b in [
+        ("trainerAccelerators", original.trainer_accelerators, p.trainer_accelerators),
+        ("rolloutEngines", original.rollout_engines, p.rollout_engines),
+        ("sharedEngines", original.shared_engines, p.shared_engines),
+        ("idleAccelerators", original.idle_accelerators, p.idle_accelerators),
+        ("generationTimeS", f"{original.generation_time_s:.1f}", f"{p.generation_time_s:.1f}"),
+        ("trainingTimeS", f"{original.training_time_s:.1f}", f"{p.training_time_s:.1f}"),
+        ("stepTimeS", f"{original.step_time_s:.1f}", f"{p.step_time_s:.1f}"),
+    ]:
+        lines.append(f"{name:24}  {a!s:>10}  {b!s:>14}")
+    return "\n".join(lines)
+
+
+def refit_to_json(original: planner.ResourcePlan, fit: refit.Refit) -> dict[str, Any]:
+    """``rljob plan --from-job -o json``: the original plan, the refit (camelCase) and its plan."""
+    data = fit.model_dump(mode="json", by_alias=True, exclude={"plan"})
+    data["stepTimeRatio"] = fit.step_time_ratio
+    return {"plan": plan_to_json(original), "refit": data, "refitPlan": plan_to_json(fit.plan)}

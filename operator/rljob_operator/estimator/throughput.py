@@ -89,10 +89,42 @@ def generation_time_s(
     kv_cache_dtype: str = "auto",
     mfu: float = 0.4,
     bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY,
+    decode_scale: float = 1.0,
+    prefill_scale: float = 1.0,
 ) -> float:
-    """Seconds to generate one step's samples on ``engines`` engines (inf without engines)."""
+    """Seconds to generate one step's samples on ``engines`` engines (inf without engines).
+
+    ``decode_scale`` and ``prefill_scale`` multiply the roofline's decode and prefill times: 1 is the
+    model as is; a refit from a job's measurements (:mod:`refit`) sets them to measured / modelled."""
+    prefill_s, decode_s = generation_parts_s(
+        model,
+        device,
+        workload,
+        engines=engines,
+        tensor_parallel=tensor_parallel,
+        max_num_seqs=max_num_seqs,
+        kv_cache_dtype=kv_cache_dtype,
+        mfu=mfu,
+        bandwidth_efficiency=bandwidth_efficiency,
+    )
+    return prefill_scale * prefill_s + decode_scale * decode_s
+
+
+def generation_parts_s(
+    model: geometry.ModelGeometry,
+    device: devices.DeviceSpec,
+    workload: Workload,
+    *,
+    engines: int,
+    tensor_parallel: int,
+    max_num_seqs: int,
+    kv_cache_dtype: str = "auto",
+    mfu: float = 0.4,
+    bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY,
+) -> tuple[float, float]:
+    """(prefill, decode) seconds of one step's generation on ``engines`` engines (inf without)."""
     if engines <= 0:
-        return float("inf")
+        return float("inf"), float("inf")
     per_engine = _ceil_div(workload.sequences, engines)
     batch = max(1, min(per_engine, max_num_seqs))
     waves = _ceil_div(per_engine, batch)
@@ -114,7 +146,7 @@ def generation_time_s(
         * workload.mean_prompt_tokens
         / (device.bf16_flops_per_s * mfu * tensor_parallel)
     )
-    return waves * (prefill_s + workload.max_completion_tokens * step_s)
+    return waves * prefill_s, waves * workload.max_completion_tokens * step_s
 
 
 def training_time_s(
@@ -126,10 +158,12 @@ def training_time_s(
     lora: bool = False,
     mfu: float = 0.4,
     extra_forward_passes: int = 1,
+    scale: float = 1.0,
 ) -> float:
-    """Seconds for one step's policy update (and extra log-prob passes) on ``accelerators``."""
+    """Seconds for one step's policy update (and extra log-prob passes) on ``accelerators``
+    (``scale``: measured / modelled, from a refit; 1 is the model as is)."""
     if accelerators <= 0:
         return float("inf")
     per_token = (4 if lora else 6) + 2 + 2 * extra_forward_passes
     flops = per_token * model.active_params * workload.train_tokens
-    return flops / (device.bf16_flops_per_s * mfu * accelerators)
+    return scale * flops / (device.bf16_flops_per_s * mfu * accelerators)

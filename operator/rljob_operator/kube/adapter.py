@@ -19,6 +19,7 @@ import json
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,20 +96,25 @@ class PriorityPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new API calls after the pool shut down")
-            self._queue.put((priority, next(self._order), fn, future))
+            self._queue.put((priority, next(self._order), (fn, time.monotonic()), future))
         return future
 
     def _work(self) -> None:
         while True:
-            _, _, fn, future = self._queue.get()
-            if fn is None:
+            _, _, item, future = self._queue.get()
+            if item is None:
                 return
+            fn, queued = item
             if not future.set_running_or_notify_cancel():
                 continue
+            started = time.monotonic()
+            metrics.API_QUEUE_SECONDS.observe(started - queued)
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the awaiting coroutine
                 future.set_exception(exc)
+            finally:
+                metrics.API_REQUEST_SECONDS.observe(time.monotonic() - started)
 
     def shutdown(self) -> None:
         """Stop the threads once the calls queued so far have run; later `submit`s raise."""

@@ -50,6 +50,19 @@ API_REQUESTS = prometheus_client.Counter(
     ["verb", "kind"],
     registry=REGISTRY,
 )
+_API_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+API_QUEUE_SECONDS = prometheus_client.Histogram(
+    "rljob_operator_api_queue_seconds",
+    "Time an API call waited in the operator's API pool for a free thread.",
+    buckets=_API_BUCKETS,
+    registry=REGISTRY,
+)
+API_REQUEST_SECONDS = prometheus_client.Histogram(
+    "rljob_operator_api_request_seconds",
+    "Time an API call took once a thread ran it (the round trip to the apiserver).",
+    buckets=_API_BUCKETS,
+    registry=REGISTRY,
+)
 API_ERRORS = prometheus_client.Counter(
     "rljob_operator_api_errors_total",
     "Kubernetes API requests that failed, by verb, kind and HTTP status (409 on create is not an error).",

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from rljob_operator import api, names
-from rljob_operator.decide import admission, lifecycle
-from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.decide import admission, lifecycle, planning
+from rljob_operator.kube import adapter, metrics, resync, trace
 
 EMPTY_REPORTS = "[]"  # a telemetry ConfigMap as the operator creates it (no SyncReport yet)
 
@@ -28,6 +28,8 @@ class Cache:
     plan: api.PlanStatus | None = None
     applied: str | None = None  # hash of the non-pod children last applied
     error: BaseException | None = None  # a spec error of this generation (waits for the next)
+    # the plan refitted from the reports, keyed by (generation, newest report's step and time)
+    refit: tuple[tuple[int, int, float], planning.JobRefit | None] | None = None
 
 
 @dataclasses.dataclass
@@ -78,6 +80,8 @@ class State:
         """A watched RLJob: keep it when it is newer than what we know, and reconcile it soon."""
         meta = body.get("metadata") or {}
         key = names.job_key(meta.get("namespace", ""), meta.get("name", ""))
+        if key not in self.jobs:
+            trace.mark(key, "seen")
         self.jobs[key] = (meta.get("namespace", ""), meta.get("name", ""))
         if self.remember(key, body):  # not the echo of our own write
             self.due.soon(key, time.monotonic())

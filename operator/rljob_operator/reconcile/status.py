@@ -120,6 +120,7 @@ class Observed:
     - unbound_claims: read once the scheduler refused a pod (`lifecycle.unbound_claims`): an
       Unschedulable pod then reads ClaimNotBound, naming the claim instead of the scheduler's
       "unbound immediate PersistentVolumeClaims".
+    - refit: the plan refitted from the job's SyncReports (None: no new refit; the last one stays).
     """
 
     spec: api.RLJobSpec | None = None
@@ -139,6 +140,7 @@ class Observed:
     placements: Mapping[str, Placement] | None = None  # pod name -> admitted flavors' placement
     preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
     unbound_claims: tuple[str, ...] = ()  # claims that exist but are not bound: one sentence each
+    refit: api.PlanRefit | None = None  # the plan refitted from the job's reports (status.plan.refit)
 
 
 def _condition(
@@ -287,8 +289,9 @@ def compute_status(
     if observed.finished:
         return new
     spec, plan, layout = observed.spec, observed.plan, observed.layout
-    if plan is not None:
-        new.plan = plan
+    if plan is not None:  # the refit follows the reports; the plan (cached per generation) has none
+        refit = observed.refit or (old.plan.refit if old.plan is not None else None)
+        new.plan = plan.model_copy(update={"refit": refit})
     new.progress = _progress(spec, observed.report, new.progress)
     new.rollout = compute_rollout(
         observed.rollout or new.rollout, plan, layout, observed.pods, observed.report

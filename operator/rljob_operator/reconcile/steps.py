@@ -40,7 +40,7 @@ from rljob_operator import api, builders, errors, names
 from rljob_operator.builders import network_policy, podgroup
 from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
 from rljob_operator.estimator import presets
-from rljob_operator.kube import adapter, metrics, resync
+from rljob_operator.kube import adapter, metrics, resync, trace
 from rljob_operator.reconcile import guards, status
 from rljob_operator.reconcile.context import (
     RETRY_INTERNAL_ERROR_S,
@@ -81,8 +81,10 @@ async def reconcile_job(
     key = names.job_key(namespace, name)
     lock = state.locks.setdefault(key, asyncio.Lock())
     started = time.monotonic()
+    trace.mark(key, "lock", cause=cause)
     try:
         async with lock:
+            trace.mark(key, "start")
             # The newest RLJob we know, taken inside the lock: the watch's copy or the response to
             # this job's last status write, whichever is newer (`State.remember`), so a lagging
             # watch event never undoes a status just written (restarts, adaptive targets). Only a
@@ -124,6 +126,7 @@ async def reconcile_job(
                 logger.debug(f"reconcile {key} again in {ctx.retry_s:.1f}s: {ctx.retry_why}")
             return ctx.retry_s
     finally:
+        trace.mark(key, "end")
         metrics.RECONCILE_SECONDS.labels(cause).observe(time.monotonic() - started)
 
 
@@ -395,14 +398,18 @@ async def _step_checkpoint_fallback(ctx: Ctx, seen: status.Observed) -> tuple[st
 
 
 async def _step_adapt(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """Adaptive mode: turn the telemetry history into engine targets (`policy.decide()`)."""
+    """The plan refitted from the telemetry (`status.plan.refit`, every mode), and in adaptive mode
+    the engine targets it and the history call for (`policy.decide()`)."""
     spec = spec_of(seen)
     reports = sync_reports(ctx)
     seen = dataclasses.replace(seen, report=reports[-1] if reports else None)
+    fitted = _refit(ctx, spec, reports)
+    if fitted is not None:
+        seen = dataclasses.replace(seen, refit=planning.refit_status(fitted.fit))
     if spec.resources.mode != "adaptive" or not reports:
         return seen, False
     assert seen.plan is not None and seen.layout is not None
-    rollout = await _adapt(ctx, spec, seen.plan, seen.layout, reports)
+    rollout = await _adapt(ctx, spec, seen.plan, seen.layout, reports, fitted)
     if rollout is None:
         return seen, False
     layout = builders.compute_layout(spec, seen.plan, rollout.desired_dedicated_engines)
@@ -457,7 +464,11 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     for pod in to_create:
         kopf.adopt(pod, owner=ctx.body)
     # Independent objects (each create idempotent): one round trip for all, not one per pod.
+    if to_create:
+        trace.mark(ctx.key, "pods", count=len(to_create))
     made = await asyncio.gather(*(ctx.state.kube.create(pod) for pod in to_create))
+    if to_create:
+        trace.mark(ctx.key, "pods-done")
     created = []
     for pod, new in zip(to_create, made, strict=True):
         pod_name = pod["metadata"]["name"]
@@ -640,7 +651,9 @@ async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
         kopf.adopt(obj, owner=ctx.body)
     # Independent objects: create them concurrently (each is idempotent on its own).
     kube = ctx.state.kube
+    trace.mark(ctx.key, "children")
     existed = await asyncio.gather(*(kube.create(obj) for obj in [*children, config_map]))
+    trace.mark(ctx.key, "children-done")
     # A name already taken is ours (an operator restart) or an earlier RLJob's of the same name, not
     # yet collected: the garbage collector would delete that one under this job later, so this job
     # waits to create its own.
@@ -674,12 +687,28 @@ def _leftovers_message(ctx: Ctx, foreign: Sequence[tuple[dict[str, Any], str]]) 
     return "; ".join(parts)
 
 
+def _refit(ctx: Ctx, spec: api.RLJobSpec, reports: list[telemetry.SyncReport]) -> planning.JobRefit | None:
+    """The plan refitted from the reports, recomputed only when a new report arrived (cached)."""
+    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    if not reports or cache.model_config is None:
+        return None
+    key = (ctx.generation, reports[-1].step, reports[-1].time)
+    if cache.refit is None or cache.refit[0] != key:
+        try:
+            cache.refit = (key, planning.refit_job(spec, cache.model_config, reports))
+        except errors.EstimatorError as exc:  # the plan itself planned: a refit that cannot is no failure
+            ctx.logger.warning(f"refitting the plan from the job's reports failed: {exc}")
+            cache.refit = (key, None)
+    return cache.refit[1]
+
+
 async def _adapt(
     ctx: Ctx,
     spec: api.RLJobSpec,
     plan: api.PlanStatus,
     layout: builders.JobLayout,
     reports: list[telemetry.SyncReport],
+    fitted: planning.JobRefit | None = None,
 ) -> api.RolloutStatus | None:
     """Call `policy.decide()`; the new targets (None: no change) are persisted with the status."""
     rollout = ctx.old.rollout or api.RolloutStatus()
@@ -695,7 +724,9 @@ async def _adapt(
         last_action_time_s=last,
     )
     settings = policy.PolicySettings.from_adaptive_spec(spec.resources.adaptive)
-    decision = policy.decide(state, reports, settings, ctx.now.timestamp())
+    most = shared_total + layout.rollout_pods + layout.idle_accelerators // state.accelerators_per_engine
+    curve = fitted.engine_curve(most) if fitted is not None else None
+    decision = policy.decide(state, reports, settings, ctx.now.timestamp(), refit=curve)
     if decision.action == "none":
         return None
     metrics.DECISIONS.labels(decision.action).inc()

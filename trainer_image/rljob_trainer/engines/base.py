@@ -8,9 +8,10 @@ CPU), so the driver's dispatch, sleep/wake and weight-sync code is engine-agnost
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -23,19 +24,43 @@ class SamplingSettings:
     max_tokens: int = 16
     seeds: tuple[int, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Per request (same order as the prompts): the tokens request i may still generate, for requests
+    # resumed after an interrupt (`continue_output`); None: `max_tokens` for every request.
+    max_tokens_per_request: tuple[int, ...] | None = None
+
+    def budget(self, i: int) -> int:
+        """How many tokens request `i` of the call may generate."""
+        return self.max_tokens if self.max_tokens_per_request is None else self.max_tokens_per_request[i]
 
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """One finished request: sampled token ids, their log-probs under the distribution they were sampled
+    """One request's output: sampled token ids, their log-probs under the distribution they were sampled
     from (after temperature and top-p: vLLM's `processed_logprobs`), and `meta["version"]`, the weights
-    version that generated them."""
+    version that generated them (the oldest one for a resumed request). `token_versions[t]` is the
+    weights version token t was sampled with (empty: every token has `meta["version"]`), so a request
+    resumed across a weight sync keeps each token's own version and log-prob."""
 
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" (a stop/eos token), "length", or "abort" (vLLM: paused or aborted)
+    finish_reason: str  # "stop" (a stop/eos token), "length", or ABORTED (interrupted: not finished)
     meta: dict[str, Any] = field(default_factory=dict)
+    token_versions: tuple[int, ...] = ()
+    # Engine-seconds spent on this request (`TIMING_KEYS`: its share of its calls' prefill and
+    # decode), where the engine measures them; not part of what the request generated.
+    timing: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The weights version of every token (one per token id)."""
+        if self.token_versions:
+            return self.token_versions
+        return (int(self.meta.get("version", 0)),) * len(self.token_ids)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == ABORTED
 
 
 # ---- vLLM's sleep and weight rules, one state machine for every engine ----------------------------
@@ -142,6 +167,25 @@ class RolloutEngine(abc.ABC):
     """A generation engine that can be put to sleep (free accelerator memory) and re-weighted in place."""
 
     name: str
+    #: Whether `interrupt`/`resume` are implemented (partial rollouts); config load refuses
+    #: `rollout.partialRollouts` for an engine kind without them.
+    supports_partial_rollouts: ClassVar[bool] = False
+
+    def interrupt(self) -> None:
+        """Stop every generate call in flight at its next token (each returns what it has, unfinished
+        requests with finish_reason ABORTED) and pause: returns once none runs; generate() calls made
+        while paused abort every request at once. Weights may be updated while paused. vLLM:
+        `pause_generation(mode="abort")`."""
+        raise PartialRolloutsUnsupportedError(
+            f"engine {self.name} ({type(self).__name__}) does not implement partial rollouts; "
+            "set rollout.partialRollouts to false"
+        )
+
+    def resume(self) -> None:
+        """Undo `interrupt`: generate() serves requests again. vLLM: `resume_generation()`."""
+        raise PartialRolloutsUnsupportedError(
+            f"engine {self.name} ({type(self).__name__}) does not implement partial rollouts"
+        )
 
     @abc.abstractmethod
     def load(self) -> None:
@@ -188,3 +232,116 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weights_version(self) -> int:
         """How many weight updates this engine has applied."""
+
+
+# ---- partial rollouts: interrupt, update, resume (vLLM's pause/resume API for async RL) -----------
+# vLLM (docs "Async Reinforcement Learning"): `AsyncLLM.pause_generation(mode="abort")` aborts every
+# request in flight, returns their partial results (finish_reason "abort") and pauses the scheduler
+# until `resume_generation()`; weights are updated in between. A resumed request is submitted again
+# as prompt + the tokens it already has (its KV recomputed under the new weights: clear_cache=True),
+# with the rest of its token budget. Both engines obey `PauseState`: interrupt() returns only once no
+# generate call runs any more; generate() while paused aborts every request before its first token
+# (vLLM would hold it until resume; neither samples a token under weights about to change);
+# update_weights() while a generate call runs is refused (`EngineBusyError`), never applied halfway.
+ABORTED = "abort"  # vLLM's FinishReason.ABORT, as RequestOutput.finish_reason reports it
+# `GenerationOutput.timing` keys: the engine-seconds of prefill and decode spent on a request (its
+# share of the call's), which a refit of the estimator's rates reads (SyncReport).
+TIMING_KEYS: tuple[str, ...] = ("prefill_s", "decode_s")
+
+
+class EngineBusyError(EngineStateError):
+    """update_weights() while a generate call is running: interrupt() (pause) the engine first."""
+
+
+class PartialRolloutsUnsupportedError(EngineStateError):
+    """interrupt()/resume() on an engine kind that does not implement partial rollouts."""
+
+
+@dataclass
+class PauseState:
+    """Whether an engine is paused and how many generate calls run in it (the rules of both engines)."""
+
+    name: str
+    paused: bool = False
+    generating: int = 0
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def begin_generate(self) -> bool:
+        """A generate call starts; False when the engine is paused (the call aborts every request)."""
+        with self._cond:
+            if self.paused:
+                return False
+            self.generating += 1
+            return True
+
+    def end_generate(self) -> None:
+        with self._cond:
+            self.generating -= 1
+            self._cond.notify_all()
+
+    def should_stop(self) -> bool:
+        """Checked between tokens: an interrupt asked the running calls to stop."""
+        return self.paused
+
+    def pause(self, timeout_s: float) -> None:
+        """Pause and wait until no generate call runs (they stop at their next token)."""
+        with self._cond:
+            self.paused = True
+            if not self._cond.wait_for(lambda: self.generating == 0, timeout=timeout_s):
+                raise TimeoutError(
+                    f"engine {self.name}: {self.generating} generate call(s) still running "
+                    f"{timeout_s:.0f} s after interrupt()"
+                )
+
+    def resume(self) -> None:
+        with self._cond:
+            self.paused = False
+
+    def check_update(self) -> None:
+        with self._cond:
+            if self.generating:
+                raise EngineBusyError(
+                    f"engine {self.name}: update_weights() while {self.generating} generate call(s) run; "
+                    "interrupt() the engine (vLLM: pause_generation) before updating its weights"
+                )
+
+
+def aborted_outputs(
+    prompts_token_ids: Sequence[Sequence[int]], meta: dict[str, Any]
+) -> list[GenerationOutput]:
+    """What a generate call made while paused returns: every request aborted before its first token."""
+    return [GenerationOutput(tuple(p), (), (), ABORTED, dict(meta)) for p in prompts_token_ids]
+
+
+def continue_output(prefix: GenerationOutput | None, rest: GenerationOutput) -> GenerationOutput:
+    """One request's output so far: the tokens of earlier (interrupted) calls, then `rest`, produced by
+    the call that resumed it with `prefix.token_ids` appended to its prompt. Each token keeps the
+    version and log-prob it was sampled with; `meta["version"]` becomes the oldest version and
+    `meta["interrupts"]` counts the interruptions."""
+    if prefix is None:
+        return rest
+    n = len(prefix.prompt_token_ids)
+    if tuple(rest.prompt_token_ids[:n]) != tuple(prefix.prompt_token_ids) or tuple(
+        rest.prompt_token_ids[n:]
+    ) != tuple(prefix.token_ids):
+        raise ValueError("a resumed request's prompt must be its original prompt + the tokens it already has")
+    versions = prefix.versions + rest.versions
+    meta = {
+        **rest.meta,
+        "version": min(versions, default=int(rest.meta.get("version", 0))),
+        "interrupts": int(prefix.meta.get("interrupts", 0)) + (1 if prefix.aborted else 0),
+    }
+    timing = {  # engine-seconds add up over the calls that served the request
+        k: prefix.timing.get(k, 0.0) + rest.timing.get(k, 0.0)
+        for k in TIMING_KEYS
+        if k in prefix.timing or k in rest.timing
+    }
+    return replace(
+        rest,
+        prompt_token_ids=prefix.prompt_token_ids,
+        token_ids=prefix.token_ids + rest.token_ids,
+        logprobs=prefix.logprobs + rest.logprobs,
+        meta=meta,
+        token_versions=versions,
+        timing=timing,
+    )

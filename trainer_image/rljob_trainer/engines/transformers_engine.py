@@ -8,13 +8,17 @@ weights in place under vLLM's rules (`base.SleepState`: level 1 offloads, level 
 update while the weights sleep, no sleep without sleep mode), so a driver that breaks them on a GPU
 breaks here too. With `rollout.engineLora` (model.finetune lora) it serves the policy as vLLM's
 LoRA engines do: the base model plus the same PEFT adapter, so a weight sync sends only the adapter
-(names in PEFT's saved-adapter form), or base and adapter after a level-2 sleep.
+(names in PEFT's saved-adapter form), or base and adapter after a level-2 sleep. Partial rollouts
+follow vLLM's pause rules (`base.PauseState`): `interrupt()` (from another thread: the Ray actor's
+control group) stops a running generate call before its next token and pauses the engine, whose
+weights may then be updated, never while a call runs.
 Callers: `rljob_trainer.engines.build_engine` (inside a Ray actor or in-process), tests.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,7 +40,7 @@ def _cache_of(out: Any) -> Any:
 
 
 class TransformersEngine(base.RolloutEngine):
-    """A CPU engine that obeys vLLM's sleep and weight rules (`base.SleepState`).
+    """A CPU engine that obeys vLLM's sleep, weight and pause rules (`base.SleepState`, `base.PauseState`).
 
     `colocated` engines with `rollout.enableSleepMode` can sleep; others refuse, as a vLLM engine
     built without `enable_sleep_mode` does. Level 1 keeps a host copy of the weights, level 2
@@ -64,6 +68,7 @@ class TransformersEngine(base.RolloutEngine):
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._missing: set[str] = set()
         self._state = base.SleepState(name, sleep_enabled=colocated and cfg.rollout.enable_sleep_mode)
+        self._pause = base.PauseState(name)
         self.serves_lora = cfg.rollout.engine_lora and cfg.model.finetune == "lora"
         self._version = 0
         self._served = 0
@@ -133,10 +138,23 @@ class TransformersEngine(base.RolloutEngine):
         self._missing = {n for n, _ in self.model.named_parameters()} - set(self._offloaded)
         self._offloaded = None
 
+    supports_partial_rollouts = True
+
+    @property
+    def pause_state(self) -> base.PauseState:
+        return self._pause
+
+    def interrupt(self) -> None:
+        self._pause.pause(self._cfg.rollout.engine_timeout_s)
+
+    def resume(self) -> None:
+        self._pause.resume()
+
     def update_weights(
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
     ) -> int:
         self._state.check_update()
+        self._pause.check_update()
         items = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         if self.serves_lora:
             return self._update_lora(items, version)
@@ -209,6 +227,17 @@ class TransformersEngine(base.RolloutEngine):
         n = len(prompts_token_ids)
         if n == 0:
             return []
+        if not self._pause.begin_generate():
+            return base.aborted_outputs(prompts_token_ids, {"engine": self.name, "version": self._version})
+        try:
+            return self._generate(prompts_token_ids, sampling)
+        finally:
+            self._pause.end_generate()
+
+    def _generate(
+        self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
+    ) -> list[base.GenerationOutput]:
+        n = len(prompts_token_ids)
         seeds = sampling.seeds if sampling.seeds is not None else tuple(range(n))
         if len(seeds) != n:
             raise ValueError(f"{len(seeds)} seeds for {n} prompts")
@@ -222,22 +251,28 @@ class TransformersEngine(base.RolloutEngine):
             ids[i, max_len - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attn[i, max_len - len(p) :] = 1
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        started = time.perf_counter()
         out = model(
             input_ids=ids.to(self._device),
             attention_mask=attn.to(self._device),
             position_ids=pos.to(self._device),
             use_cache=True,
         )
+        prefilled = time.perf_counter()
         cache_kw = _cache_kwarg(model)
         past = _cache_of(out)
         logits = out.logits[:, -1, :].float().cpu()
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
-        done = [False] * n
+        budgets = [sampling.budget(i) for i in range(n)]
+        done = [b <= 0 for b in budgets]
         reasons = ["length"] * n
         next_pos = pos[:, -1:] + 1
         greedy = rljob_sampling.is_greedy(sampling.temperature)
-        for step in range(sampling.max_tokens):
+        for _ in range(max(budgets)):
+            if self._pause.should_stop():  # interrupted: the unfinished requests return what they have
+                reasons = [r if d else base.ABORTED for r, d in zip(reasons, done, strict=True)]
+                break
             # What it samples from and returns: vLLM's processed log-probs (temperature, then top-p).
             logp = rljob_sampling.processed_log_probs(
                 logits, temperature=sampling.temperature, top_p=sampling.top_p
@@ -255,7 +290,9 @@ class TransformersEngine(base.RolloutEngine):
                 nxt[i] = tok
                 if tok in stop:
                     done[i], reasons[i] = True, "stop"
-            if all(done) or step == sampling.max_tokens - 1:
+                elif len(tokens[i]) >= budgets[i]:
+                    done[i] = True
+            if all(done):
                 break
             attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long)], dim=1)
             out = model(
@@ -270,9 +307,18 @@ class TransformersEngine(base.RolloutEngine):
             next_pos = next_pos + 1
         self._served += n
         self._tokens += sum(len(t) for t in tokens)
+        v = self._version
+        # Each request's share of the call's engine-seconds (what a refit of the estimator reads).
+        timing = {"prefill_s": (prefilled - started) / n, "decode_s": (time.perf_counter() - prefilled) / n}
         return [
             base.GenerationOutput(
-                tuple(p), tuple(t), tuple(lp), r, {"engine": self.name, "version": self._version}
+                tuple(p),
+                tuple(t),
+                tuple(lp),
+                r,
+                {"engine": self.name, "version": v},
+                (v,) * len(t),
+                dict(timing),
             )
             for p, t, lp, r in zip(prompts_token_ids, tokens, lps, reasons, strict=True)
         ]

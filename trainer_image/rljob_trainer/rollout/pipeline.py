@@ -7,6 +7,15 @@ died or hung past `rollout.engineTimeoutS` (the engine owner drops it), and hand
 complete batch once every output is within `grpo.maxStaleness` (older ones are regenerated and
 counted).
 
+Dedicated engines take requests in chunks of `rollout.chunkPromptGroups` prompt groups per generate
+call (default: a step's share), so a weight sync waits for at most the chunk in flight. With
+`rollout.partialRollouts` it does not wait for a call that runs ahead of the next step either
+(AReaL's interruptible generation, slime's partial rollout): `quiesce` interrupts it, it returns
+what it has; after the weights are updated `resume_engines` lets the engines serve again, and each
+unfinished request is dispatched again as its prompt + the tokens it has, with the rest of its
+budget (`engines.base.continue_output`): every token keeps the weights version and log-prob it was
+sampled with, so staleness and truncated importance sampling are per token.
+
 Generation runs ahead of training by up to `grpo.maxStaleness` steps on dedicated engines (step s
 may start generating once the weights of step s-1-maxStaleness are synced), so every sample trained
 at step s is at most maxStaleness updates old; shared engines (on the trainer's accelerators) only
@@ -21,10 +30,11 @@ Callers: `rljob_trainer.driver.GRPODriver`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rljob_trainer import config as config_mod
@@ -39,6 +49,12 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     """Sampling seed of request `index` at `step`: a function of (seed, step, index) only, so a resumed
     job draws the same samples as an uninterrupted one."""
     return (seed * 1_000_003 + step * 100_003 + index) % (2**31 - 1)
+
+
+def resumed_seed(seed: int, tokens_so_far: int) -> int:
+    """Seed of a request resumed after `tokens_so_far` tokens (a partial rollout): a function of its own
+    seed and where it resumes only, so its continuation does not depend on the engine or batch."""
+    return (seed * 1_000_003 + tokens_so_far * 7_919 + 1) % (2**31 - 1)
 
 
 @dataclass
@@ -69,6 +85,8 @@ class GenJob:
     outputs: list[base.GenerationOutput | None]
     started: float | None = None  # first request dispatched
     finished: float | None = None  # last output received
+    # Interrupted requests' tokens so far (partial rollouts), until the call that finishes them.
+    partial: dict[int, base.GenerationOutput] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -135,6 +153,7 @@ class RolloutPipeline:
         self._sampler = data.SamplerState()
         self._next_step = 1
         self.regenerated = 0  # requests regenerated because their output was too stale
+        self.interrupted = 0  # requests interrupted at a weight sync and resumed (partial rollouts)
         self.trainer_wait_s = 0.0  # trainer blocked waiting for rollouts since the last sync point
 
     def start_at(self, sampler: data.SamplerState, next_step: int) -> None:
@@ -212,33 +231,48 @@ class RolloutPipeline:
         idle = [n for n, e in self.engines.items() if e.awake and n not in busy]
         if not idle:
             return
-        per_call = -(-self.cfg.samples_per_step // max(1, sum(1 for e in self.engines.values() if e.awake)))
+        share = -(-self.cfg.samples_per_step // max(1, sum(1 for e in self.engines.values() if e.awake)))
+        chunk = self.cfg.rollout.chunk_prompt_groups
+        per_chunk = min(share, chunk * self.cfg.grpo.group_size) if chunk else share
         job = self.jobs.get(current)
         current_ids = {rid for rid, (st, _) in self._request_of.items() if st == current} if job else set()
         shared = [n for n in idle if self.engines[n].colocated]
         dedicated = [n for n in idle if not self.engines[n].colocated]
         batches: dict[str, list[int]] = {}
-        if shared and current_ids:
-            batches.update(self.dispatcher.admit(per_call, engines=shared, requests=current_ids))
+        if shared and current_ids:  # they serve the step the trainer waits for: its share at once
+            batches.update(self.dispatcher.admit(share, engines=shared, requests=current_ids))
         if dedicated:
-            batches.update(self.dispatcher.admit(per_call, engines=dedicated))
-        g = self.cfg.grpo
+            batches.update(self.dispatcher.admit(per_chunk, engines=dedicated))
         for name, ids in batches.items():
-            where = [self._request_of[r] for r in ids]
-            sampling = base.SamplingSettings(
-                temperature=g.temperature,
-                top_p=g.top_p,
-                max_tokens=self.cfg.lengths.max_response_tokens,
-                seeds=tuple(self.jobs[st].seeds[i] for st, i in where),
-            )
-            now = self.clock()
-            for st, _ in where:
-                if self.jobs[st].started is None:
-                    self.jobs[st].started = now
-            batch = [self.jobs[st].prompts[i] for st, i in where]
-            fut = self.rt.submit(self.engines[name].handle, "generate", batch, sampling)
-            self.dispatcher.mark_generating(ids)
-            self.calls[fut] = Call(name, ids, now)
+            self._submit_generate(name, ids)
+
+    def _submit_generate(self, name: str, ids: Sequence[int]) -> None:
+        """One generate call of requests `ids` on engine `name`; an interrupted request continues from
+        the tokens it has (its prompt + those tokens, the rest of its budget, a seed of where it is)."""
+        g, cap = self.cfg.grpo, self.cfg.lengths.max_response_tokens
+        where = [self._request_of[r] for r in ids]
+        prefixes = [self.jobs[st].partial.get(i) for st, i in where]
+        prompts, budgets, seeds = [], [], []
+        for (st, i), prefix in zip(where, prefixes, strict=True):
+            job = self.jobs[st]
+            have = prefix.token_ids if prefix is not None else ()
+            prompts.append([*job.prompts[i], *have])
+            budgets.append(cap - len(have))
+            seeds.append(resumed_seed(job.seeds[i], len(have)) if have else job.seeds[i])
+        sampling = base.SamplingSettings(
+            temperature=g.temperature,
+            top_p=g.top_p,
+            max_tokens=cap,
+            seeds=tuple(seeds),
+            max_tokens_per_request=tuple(budgets) if any(p is not None for p in prefixes) else None,
+        )
+        now = self.clock()
+        for st, _ in where:
+            if self.jobs[st].started is None:
+                self.jobs[st].started = now
+        fut = self.rt.submit(self.engines[name].handle, "generate", prompts, sampling)
+        self.dispatcher.mark_generating(ids)
+        self.calls[fut] = Call(name, list(ids), now)
 
     def _collect(self, fut: Any) -> None:
         """One finished generate call: its outputs into their jobs, or its engine dropped as lost."""
@@ -251,13 +285,26 @@ class RolloutPipeline:
             self.owner.drop_engine(call.engine, lost=True)
             return
         now = self.clock()
+        finished, interrupted = [], []
         for rid, out in zip(call.ids, outs, strict=True):
-            st, i = self._request_of.pop(rid)
+            st, i = self._request_of[rid]
             job = self.jobs[st]
-            job.outputs[i] = out
+            merged = base.continue_output(job.partial.pop(i, None), out)
+            if out.aborted and len(merged.token_ids) < self.cfg.lengths.max_response_tokens:
+                if merged.token_ids:  # resumed from these tokens once the engines serve again
+                    job.partial[i] = merged
+                interrupted.append(rid)
+                continue
+            if out.aborted:  # interrupted exactly at its budget: it is complete
+                merged = dataclasses.replace(merged, finish_reason="length")
+            del self._request_of[rid]
+            finished.append(rid)
+            job.outputs[i] = merged
             if job.complete:
                 job.finished = now
-        self.dispatcher.finish(call.ids)
+        self.dispatcher.finish(finished)
+        self.dispatcher.requeue(interrupted)
+        self.interrupted += len(interrupted)
         eng = self.engines.get(call.engine)
         if eng is not None and eng.draining:
             self.owner.release_drained()
@@ -293,6 +340,49 @@ class RolloutPipeline:
                 if fut in self.calls and now - call.submitted > timeout:
                     log.warning("engine %s hung past %.0f s", call.engine, timeout)
                     self.owner.drop_engine(call.engine, lost=True)
+
+    # ---- weight sync points ----------------------------------------------------------------------
+    def quiesce(self, names: Sequence[str]) -> list[str]:
+        """Before a weight sync: engines `names` stop generating. With rollout.partialRollouts a call
+        in flight that holds requests of a step beyond the next one to train is interrupted (it
+        returns what it has, resumed after the sync; the returned engines must be `resume_engines`d
+        once their weights are in); the sync waits for the other calls (at most a chunk each). A call
+        of only the next step's requests is not interrupted: the trainer waits for them right after
+        the sync anyway, and resuming them would only prefill them again in smaller batches."""
+        ahead = self.owner.weights_version + 1  # the step the trainer takes next
+        busy = [
+            n
+            for n in names
+            if n in self.engines
+            and any(
+                c.engine == n and any(self._request_of[r][0] > ahead for r in c.ids if r in self._request_of)
+                for c in self.calls.values()
+            )
+        ]
+        control: dict[str, Any] = {}
+        if self.cfg.rollout.partial_rollouts:
+            control = {n: self.rt.submit_control(self.engines[n].handle, "interrupt") for n in busy}
+        self.pump(lambda: not self.busy(names), admit=False)
+        self._settle_control(control, "interrupted")
+        return [n for n in control if n in self.engines]
+
+    def resume_engines(self, names: Sequence[str]) -> None:
+        """Interrupted engines serve again (their weights are in); an engine lost meanwhile is dropped."""
+        futures = {
+            n: self.rt.submit_control(self.engines[n].handle, "resume") for n in names if n in self.engines
+        }
+        self._settle_control(futures, "resumed")
+
+    def _settle_control(self, futures: dict[str, Any], what: str) -> None:
+        """The answers of interrupt/resume calls; an engine that died or failed to (an interrupt its
+        generate call did not obey within rollout.engineTimeoutS) is dropped as lost."""
+        for name, fut in futures.items():
+            try:
+                self.rt.get(fut)
+            except Exception as e:  # lost, or the engine's own error (its requests are requeued)
+                log.warning("engine %s was not %s: %s", name, what, e)
+                if name in self.engines:
+                    self.owner.drop_engine(name, lost=True)
 
     def _await_engine(self) -> None:
         """Requests are queued and no engine can take them (every dedicated engine was lost): bring
@@ -333,4 +423,28 @@ class RolloutPipeline:
             self.regenerated += len(stale)
             for i, rid in zip(stale, self.dispatcher.submit(len(stale)), strict=True):
                 job.outputs[i] = None
+                job.partial.pop(i, None)
                 self._request_of[rid] = (step, i)
+
+
+def rollout_step_metrics(outputs: Sequence[base.GenerationOutput], trainer_version: int) -> dict[str, float]:
+    """One step's outputs, trained at `trainer_version`: per-token staleness and partial rollouts
+    (`algos.compute_token_staleness_metrics`: `rollout/partial_fraction`, the share of requests
+    interrupted at a weight sync and resumed, `rollout/staleness_tokens_mean` / `_max`), and what
+    generating them cost (`rollout/prompt_tokens`, `generated_tokens`, `generation_engines`,
+    `prefill_engine_s`, `decode_engine_s`: the SyncReport's inputs to a refit of the estimator)."""
+    import torch  # the pipeline itself imports no torch
+
+    from rljob_trainer import algos
+
+    versions = torch.tensor([v for o in outputs for v in o.versions], dtype=torch.long)
+    interrupted = torch.tensor([bool(o.meta.get("interrupts", 0)) for o in outputs], dtype=torch.bool)
+    metrics = algos.compute_token_staleness_metrics(versions, interrupted, trainer_version=trainer_version)
+    out = {k: float(v.item()) for k, v in metrics.items()}
+    out["rollout/prompt_tokens"] = float(sum(len(o.prompt_token_ids) for o in outputs))
+    out["rollout/generated_tokens"] = float(sum(len(o.token_ids) for o in outputs))
+    out["rollout/generation_engines"] = float(len({o.meta.get("engine") for o in outputs}))
+    for key in base.TIMING_KEYS:
+        if outputs and all(key in o.timing for o in outputs):
+            out[f"rollout/{key.replace('_s', '')}_engine_s"] = float(sum(o.timing[key] for o in outputs))
+    return out

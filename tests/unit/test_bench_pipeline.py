@@ -1,0 +1,103 @@
+"""The pure parts of bench/pipeline.py: the ideal and efficiency from the synchronous run's own
+phases, the calibration's estimates, and the refusal of degenerate regimes (the old bench balanced
+at a 2-token cap: 0.1 s steps where Ray calls and weight syncs decided a ratio that moved by 0.74
+between runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_pipeline", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(gen: float, train: float, rest: float, n: int = 10, **extra: float) -> list[dict[str, float]]:
+    row = {
+        "step_s": gen + train + rest,
+        "generation_s": gen,
+        "training_s": train,
+        "weight_sync_s": rest / 2,
+        "trainer_wait_s": gen,
+        "rollout/staleness_max": 0,
+        **extra,
+    }
+    return [dict(row) for _ in range(n)]
+
+
+def test_ideal_and_efficiency_come_from_the_sync_runs_own_phases(bench: ModuleType) -> None:
+    sync = bench.phases(_rows(1.0, 0.8, 0.1))
+    assert sync.rest_s == pytest.approx(0.1)
+    assert sync.ideal == pytest.approx((1.0 + 0.8 + 0.1) / (1.0 + 0.1))
+    async_rows = [{**r, "step_s": 1.25, "rollout/staleness_max": 1} for r in _rows(1.0, 0.8, 0.1)]
+    fig = bench.figures("maxStaleness 1", sync, async_rows, max_staleness=1, partial=False)
+    assert fig.ratio == pytest.approx(1.9 / 1.25)
+    assert fig.efficiency == pytest.approx(fig.ratio / sync.ideal)
+    line = f"pipeline: {fig.line()}"
+    assert line == (
+        f"pipeline: sync {3600 / 1.9:.0f} steps/h, async {3600 / 1.25:.0f} steps/h, ratio {1.9 / 1.25:.2f}, "
+        f"ideal {sync.ideal:.2f}, efficiency {fig.efficiency:.2f}, staleness max 1"
+    )
+
+
+def test_the_first_and_the_last_step_are_not_timed(bench: ModuleType) -> None:
+    rows = _rows(1.0, 1.0, 0.1, n=6)
+    rows[0]["step_s"] = rows[-1]["step_s"] = 99.0  # start-up; the last step trains alone
+    assert bench.phases(rows).step_s == pytest.approx(2.1)
+
+
+def test_the_old_benchs_regime_is_refused_with_its_reasons(bench: ModuleType) -> None:
+    tiny = bench.phases(_rows(0.10, 0.25, 0.04))  # what the 2-token calibration measured
+    why = bench.degenerate(tiny, [1.9, 1.9])
+    assert any("< 0.5 s" in w for w in why)
+    assert any("more than 1.6x apart" in w for w in why)
+    loaded = bench.degenerate(bench.phases(_rows(0.9, 0.8, 0.1)), [1.95, 1.2])
+    assert loaded == [next(w for w in loaded if "fewer than two free cores" in w)]
+    assert bench.degenerate(bench.phases(_rows(0.9, 0.8, 0.1)), [1.95, 1.9]) == []
+    scattered = _rows(0.9, 0.8, 0.1)
+    for r in scattered[1:-1:2]:
+        r["step_s"] *= 2
+    assert any("scatter" in w for w in bench.degenerate(bench.phases(scattered), [1.9, 1.9]))
+
+
+def test_the_calibration_finds_the_batch_where_the_power_laws_meet(bench: ModuleType) -> None:
+    # generation ~ p^0.5, training ~ p: they meet where 0.2 p^0.5 = 0.05 p, at p = 16.
+    a = bench.Probe(4, 48, 0.2 * 4**0.5, 0.05 * 4)
+    b = bench.Probe(9, 48, 0.2 * 9**0.5, 0.05 * 9)
+    assert bench.balanced_prompts(a, b) == 16
+    assert bench.scaled_tokens(bench.Probe(16, 48, 0.4, 0.6), 0.8) == 64  # the slower phase to 0.8 s
+
+
+def test_the_calibration_balances_a_machine_whose_phases_grow_differently_with_the_cap(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Generation grows faster with the cap than training (answers stop at EOS), and training is
+    2.5x generation at the first batch: the batch and the cap together still balance it."""
+
+    def fake_run(cfg: Any, workdir: Any, name: str) -> list[dict[str, float]]:  # the bench's run()
+        p, cap = cfg.grpo.prompts_per_step, cfg.lengths.max_response_tokens
+        gen, train = 0.004 * cap**1.2 * p**0.33, 0.001 * cap**0.8 * p**1.5
+        return _rows(gen, train, 0.02, n=3)
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    prompts, tokens, probes = bench.calibrate(tmp_path, target_s=0.8, log=lambda _: None)
+    cfg = bench.make_config(steps=3, response_tokens=tokens, prompts=prompts, max_staleness=0)
+    rows = fake_run(cfg, None, "")
+    gen, train = rows[0]["generation_s"], rows[0]["training_s"]
+    assert max(gen, train) / min(gen, train) < 1.25, (prompts, tokens, gen, train)
+    assert 0.8 * 0.75 <= max(gen, train) <= 0.8 * 1.25
+    assert len(probes) <= 5
