@@ -146,15 +146,6 @@ INVALID_CASES: list[InvalidCase] = [
         "multiple of rollout.tensorParallel",
     ),
     InvalidCase(
-        "cel-partial-rollouts-cpu-engines-only",
-        {
-            "spec.resources.accelerator": {"kind": "nvidia", "model": "H100-80GB"},
-            "spec.resources.rollout": {"partialRollouts": True},
-        },
-        "spec.resources.rollout.partialRollouts",
-        "implemented for CPU (transformers) engines only",
-    ),
-    InvalidCase(
         "cel-batched-tokens-at-least-seqs",
         {"spec.resources.rollout": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}},
         "spec.resources.rollout.maxNumBatchedTokens",

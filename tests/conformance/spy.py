@@ -3,7 +3,8 @@
 Every attribute rljob touches is looked up on the real class (AttributeError: vLLM has no such
 method), every call is bound to the real method's signature with the exact arguments passed
 (TypeError: a keyword vLLM does not take), recorded, and answered as the real method would be called
-(a coroutine for `async def`, an async generator for `async def ... yield`) with a canned result.
+(a coroutine for `async def`, an async generator for `async def ... yield`) with a canned result,
+or with what a result function returns: an awaitable or an async generator to model a call over time.
 It checks the shape of each call, not what vLLM does with it (no GPU here).
 """
 
@@ -41,6 +42,8 @@ class SignatureSpy:
             result = self.results.get(name)
             value = result(arguments) if callable(result) else result
             if inspect.isasyncgenfunction(real):
+                if inspect.isasyncgen(value):  # a result that behaves over time (a pause, an abort)
+                    return value
 
                 async def stream() -> Any:
                     for item in value if isinstance(value, list) else [value]:
@@ -50,7 +53,7 @@ class SignatureSpy:
             if inspect.iscoroutinefunction(real):
 
                 async def answer() -> Any:
-                    return value
+                    return await value if inspect.isawaitable(value) else value
 
                 return answer()
             return value

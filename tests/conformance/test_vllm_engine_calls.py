@@ -34,12 +34,15 @@ def _lora_cfg(rank: int = 4) -> config_mod.TrainerConfig:
     )
 
 
-def _request_output(arguments: dict[str, Any]) -> Any:
-    """What AsyncLLM.generate yields last for one request, built with vLLM's own output classes."""
+def _request_output(
+    arguments: dict[str, Any], *, tokens_made: int | None = None, finish_reason: str = "length"
+) -> Any:
+    """What AsyncLLM.generate yields last for one request, built with vLLM's own output classes: its
+    whole budget, or `tokens_made` tokens when it was aborted."""
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    n = arguments["sampling_params"].max_tokens
+    n = arguments["sampling_params"].max_tokens if tokens_made is None else tokens_made
     tokens = [3 + i for i in range(n)]
     completion = CompletionOutput(
         index=0,
@@ -47,7 +50,7 @@ def _request_output(arguments: dict[str, Any]) -> Any:
         token_ids=tokens,
         cumulative_logprob=None,
         logprobs=[{t: Logprob(logprob=-0.25)} for t in tokens],
-        finish_reason="length",
+        finish_reason=finish_reason,
     )
     prompt = arguments["prompt"]
     return RequestOutput(
@@ -287,3 +290,115 @@ def test_only_the_paths_whose_payload_vllm_cannot_msgpack_allow_pickle(monkeypat
     assert vllm_engine.needs_pickle(choice(ws.PATH_COLLECTIVE_RPC, "object-store", ""))
     assert not vllm_engine.needs_pickle(choice(ws.PATH_VLLM_NATIVE, "nccl", ""))
     assert not vllm_engine.needs_pickle(choice(ws.PATH_VLLM_LORA, "object-store", ""))
+
+
+# ---- partial rollouts: the engine contract's interrupt/resume on vLLM's pause API ----------------
+def _generating(engine: vllm_engine.VLLMEngine, prompts: list[list[int]], sampling: base.SamplingSettings):
+    """engine.generate on another thread (as the Ray actor's generate group runs it); returns once its
+    requests are in flight, with the thread and a dict that gets the result."""
+    import threading
+    import time
+
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("result", engine.generate(prompts, sampling)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(engine.inflight_request_ids()) < len(prompts):
+        assert time.monotonic() < deadline, "the requests never reached vLLM"
+        time.sleep(0.005)
+    return thread, out
+
+
+def test_an_interrupt_aborts_what_runs_through_vllms_pause_and_resume_serves_the_rest(
+    spy: SignatureSpy,
+) -> None:
+    """vLLM's pause_generation(mode="abort") ends each request in flight with the tokens it has
+    (finish_reason "abort"); the engine returns them, refuses new calls and weight-update rounds
+    in between as the contract says, and resume_generation lets it serve the rest of a budget."""
+    import asyncio
+
+    paused = asyncio.Event()
+
+    def generate(arguments: dict[str, Any]) -> Any:
+        async def until_the_pause() -> Any:
+            await paused.wait()  # generating until vLLM's pause aborts it, 2 tokens in
+            yield _request_output(arguments, tokens_made=2, finish_reason="abort")
+
+        return until_the_pause()
+
+    async def pause() -> None:
+        paused.set()
+
+    spy.results["generate"] = generate
+    spy.results["pause_generation"] = lambda _: pause()
+    engine = _engine(_cfg(), spy, colocated=False)
+    sampling = base.SamplingSettings(temperature=1.0, max_tokens=6, seeds=(1, 2))
+    thread, out = _generating(engine, [[5, 6], [7]], sampling)
+    with pytest.raises(base.EngineBusyError, match="interrupt"):
+        engine.start_weight_update()  # never while a call runs
+    engine.interrupt()  # returns once the call has returned
+    thread.join(timeout=30)
+    assert spy.called("pause_generation") == [{"mode": "abort", "clear_cache": True}]
+    partial = out["result"]
+    assert [(o.token_ids, o.finish_reason) for o in partial] == [((3, 4), base.ABORTED)] * 2
+    assert all(o.aborted and o.logprobs == (-0.25, -0.25) for o in partial)
+    # Paused: a call aborts every request before its first token, without reaching vLLM.
+    held = engine.generate([[5, 6]], sampling)
+    assert [(o.token_ids, o.finish_reason) for o in held] == [((), base.ABORTED)]
+    assert len(spy.called("generate")) == 2
+    engine.update_weights({"w": 1.0}, version=1)  # allowed while paused
+    spy.results["generate"] = _request_output
+    engine.resume()
+    assert spy.called("resume_generation") == [{}]
+    # Each request goes on from prompt + its 2 tokens with the 4 of its budget left.
+    resumed = engine.generate(
+        [[5, 6, 3, 4], [7, 3, 4]],
+        base.SamplingSettings(temperature=1.0, max_tokens=6, seeds=(1, 2), max_tokens_per_request=(4, 4)),
+    )
+    assert [c["sampling_params"].max_tokens for c in spy.called("generate")[2:]] == [4, 4]
+    merged = base.continue_output(partial[0], resumed[0])
+    assert merged.token_ids == (3, 4, 3, 4, 5, 6) and merged.versions == (0, 0, 1, 1, 1, 1)
+    assert merged.meta["interrupts"] == 1
+
+
+def test_a_request_that_reaches_vllm_as_the_pause_begins_is_aborted_by_id(spy: SignatureSpy) -> None:
+    """A request submitted just as the pause began is not aborted by it (vLLM 0.23 queues it until
+    resume_generation): the interrupt aborts what is still in flight by id, so it never waits for
+    the resume that only comes after it returns."""
+    import asyncio
+
+    aborted = asyncio.Event()
+
+    def generate(arguments: dict[str, Any]) -> Any:
+        async def queued_until_aborted() -> Any:
+            await aborted.wait()
+            yield _request_output(arguments, tokens_made=0, finish_reason="abort")
+
+        return queued_until_aborted()
+
+    async def abort() -> None:
+        aborted.set()
+
+    spy.results["generate"] = generate
+    spy.results["abort"] = lambda _: abort()
+    engine = _engine(_cfg(), spy, colocated=False)
+    thread, out = _generating(engine, [[5]], base.SamplingSettings(temperature=1.0, max_tokens=6))
+    (request_id,) = engine.inflight_request_ids()
+    engine.interrupt()
+    thread.join(timeout=30)
+    assert spy.called("abort") == [{"request_id": [request_id]}]
+    assert [(o.token_ids, o.finish_reason) for o in out["result"]] == [((), base.ABORTED)]
+
+
+def test_a_request_vllm_refuses_while_paused_is_aborted_not_failed(spy: SignatureSpy) -> None:
+    exceptions = pytest.importorskip("vllm.exceptions")
+    if not hasattr(exceptions, "RetryableRequestError"):
+        pytest.skip("this vLLM queues requests while paused (0.23) instead of refusing them")
+
+    def refuse(arguments: dict[str, Any]) -> Any:
+        raise exceptions.RetryableRequestError("paused")
+
+    spy.results["generate"] = refuse
+    engine = _engine(_cfg(), spy, colocated=False)
+    out = engine.generate([[5], [6]], base.SamplingSettings(temperature=1.0, max_tokens=6))
+    assert [(o.token_ids, o.finish_reason) for o in out] == [((), base.ABORTED)] * 2

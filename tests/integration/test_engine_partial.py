@@ -116,7 +116,12 @@ def test_a_resumed_request_keeps_each_tokens_version_and_logprob() -> None:
         base.continue_output(prefix, first)  # not a continuation of this prefix
 
 
-def test_vllm_engines_refuse_partial_rollouts_at_config_load() -> None:
-    with pytest.raises(ValueError, match=r"rollout\.partialRollouts"):
-        toy_config(rollout={"kind": "vllm", "partialRollouts": True})
-    assert config.RolloutSettings().partial_rollouts is False  # off by default
+def test_partial_rollouts_are_off_by_default_and_both_engine_kinds_implement_them() -> None:
+    from rljob_trainer.engines import transformers_engine, vllm_engine
+
+    assert config.RolloutSettings().partial_rollouts is False
+    assert toy_config(rollout={"kind": "vllm", "partialRollouts": True}).rollout.partial_rollouts
+    for cls in (transformers_engine.TransformersEngine, vllm_engine.VLLMEngine):
+        assert cls.supports_partial_rollouts
+        assert cls.interrupt is not base.RolloutEngine.interrupt
+        assert cls.resume is not base.RolloutEngine.resume

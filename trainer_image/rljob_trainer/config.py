@@ -327,11 +327,6 @@ class RolloutSettings(_Model):
     def _some_engine(self) -> RolloutSettings:
         if self.shared_engines + self.dedicated_engines < 1:
             raise ValueError("rollout needs at least one engine: sharedEngines + dedicatedEngines >= 1")
-        if self.partial_rollouts and self.kind == "vllm":
-            raise ValueError(
-                "rollout.partialRollouts is not implemented for vLLM engines yet (the transformers engine "
-                "implements it); set rollout.partialRollouts to false"
-            )
         return self
 
 

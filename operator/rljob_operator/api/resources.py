@@ -184,8 +184,9 @@ class RolloutSpec(_Spec):
         "weights "
         "and resume each from the tokens it has under the new weights (AReaL's interruptible generation); "
         "every token keeps the weights version and log-prob it was sampled with, so staleness and the "
-        "truncated importance weights are per token. false: the sync waits for the calls in flight. CPU "
-        "(transformers) engines only for now.",
+        "truncated importance weights are per token. false: the sync waits for the calls in flight. vLLM "
+        "engines use pause_generation(mode=abort) / resume_generation (not yet run on a GPU: "
+        "docs/pipeline.md).",
     )
 
 
@@ -288,14 +289,6 @@ class ResourcesSpec(_Spec):
                 s.static is None
                 or s.static.trainer_accelerators + s.static.rollout_accelerators <= s.total_accelerators
             ),
-        ),
-        CelRule(
-            rule="!self.rollout.partialRollouts || self.accelerator.kind == 'cpu'",
-            message="spec.resources.rollout.partialRollouts is implemented for CPU (transformers) engines "
-            "only; "
-            "the vLLM engine does not interrupt and resume requests yet: set it to false",
-            field_path=".rollout.partialRollouts",
-            check=lambda s: not s.rollout.partial_rollouts or s.accelerator.kind == "cpu",
         ),
         CelRule(
             rule="!has(self.static) || !has(self.rollout.tensorParallel) "

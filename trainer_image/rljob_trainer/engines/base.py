@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -167,8 +168,8 @@ class RolloutEngine(abc.ABC):
     """A generation engine that can be put to sleep (free accelerator memory) and re-weighted in place."""
 
     name: str
-    #: Whether `interrupt`/`resume` are implemented (partial rollouts); config load refuses
-    #: `rollout.partialRollouts` for an engine kind without them.
+    #: Whether `interrupt`/`resume` are implemented (partial rollouts; both engine kinds do): an
+    #: engine kind without them refuses the first interrupt, naming `rollout.partialRollouts`.
     supports_partial_rollouts: ClassVar[bool] = False
 
     def interrupt(self) -> None:
@@ -244,6 +245,7 @@ class RolloutEngine(abc.ABC):
 # (vLLM would hold it until resume; neither samples a token under weights about to change);
 # update_weights() while a generate call runs is refused (`EngineBusyError`), never applied halfway.
 ABORTED = "abort"  # vLLM's FinishReason.ABORT, as RequestOutput.finish_reason reports it
+STOP_POLL_S = 0.05  # how often an interrupt stops what is still running (`PauseState.pause`)
 # `GenerationOutput.timing` keys: the engine-seconds of prefill and decode spent on a request (its
 # share of the call's), which a refit of the estimator's rates reads (SyncReport).
 TIMING_KEYS: tuple[str, ...] = ("prefill_s", "decode_s")
@@ -283,11 +285,25 @@ class PauseState:
         """Checked between tokens: an interrupt asked the running calls to stop."""
         return self.paused
 
-    def pause(self, timeout_s: float) -> None:
-        """Pause and wait until no generate call runs (they stop at their next token)."""
+    def pause(self, timeout_s: float, stop_running: Callable[[], None] | None = None) -> None:
+        """Pause and wait until no generate call runs (they stop at their next token).
+
+        `stop_running` is for an engine whose calls do not check `should_stop` themselves (vLLM:
+        abort what is in flight): called once the pause is set, so no new call starts, and again
+        every `STOP_POLL_S` while calls still run, so a request submitted just as the pause began
+        is stopped too."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             self.paused = True
-            if not self._cond.wait_for(lambda: self.generating == 0, timeout=timeout_s):
+        while True:
+            if stop_running is not None:
+                stop_running()
+            left_s = deadline - time.monotonic()
+            with self._cond:
+                wait_s = max(0.0, min(left_s, STOP_POLL_S) if stop_running is not None else left_s)
+                if self._cond.wait_for(lambda: self.generating == 0, timeout=wait_s):
+                    return
+            if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"engine {self.name}: {self.generating} generate call(s) still running "
                     f"{timeout_s:.0f} s after interrupt()"

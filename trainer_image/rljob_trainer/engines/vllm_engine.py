@@ -132,12 +132,15 @@ def engine_args(
     return args
 
 
-def sampling_kwargs(sampling: base.SamplingSettings, seed: int) -> dict[str, Any]:
-    """The `vllm.SamplingParams` keywords of one request (its own seed)."""
+def sampling_kwargs(
+    sampling: base.SamplingSettings, seed: int, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """The `vllm.SamplingParams` keywords of one request (its own seed; its own token budget, the
+    rest of it for a request resumed after an interrupt)."""
     return {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens,
+        "max_tokens": sampling.max_tokens if max_tokens is None else int(max_tokens),
         "seed": int(seed),
         "logprobs": 0,  # the sampled token's log-prob
         "stop_token_ids": list(sampling.stop_token_ids) or None,
@@ -154,6 +157,16 @@ def needs_pickle(transfer: Any) -> bool:
     if transfer.path == weight_sync.PATH_COLLECTIVE_RPC:
         return True
     return transfer.path == weight_sync.PATH_VLLM_NATIVE and transfer.backend == "ipc"
+
+
+def _pause_refusal() -> type[BaseException] | tuple[()]:
+    """What vLLM raises for a request submitted while generation is paused in mode "abort"
+    (`RetryableRequestError`, 0.33); vLLM 0.23 (the Ascend image) queues such a request instead."""
+    try:
+        from vllm.exceptions import RetryableRequestError
+    except ImportError:
+        return ()
+    return RetryableRequestError
 
 
 class EngineCallTimeout(RuntimeError):
@@ -205,6 +218,7 @@ class VLLMEngine(base.RolloutEngine):
         self._request_ids = itertools.count()
         self._inflight: set[str] = set()
         self._timeout_s = cfg.rollout.engine_timeout_s
+        self._pause = base.PauseState(name)  # partial rollouts: interrupt() / resume()
 
     @property
     def weight_transfer(self) -> Any:
@@ -295,17 +309,34 @@ class VLLMEngine(base.RolloutEngine):
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
     ) -> list[base.GenerationOutput]:
         self._state.check_generate()
+        if not prompts_token_ids:
+            return []
+        if not self._pause.begin_generate():  # interrupted: nothing is sampled under weights about to change
+            return base.aborted_outputs(prompts_token_ids, {"engine": self.name, "version": self._version})
+        try:
+            return self._generate(prompts_token_ids, sampling)
+        finally:
+            self._pause.end_generate()
+
+    def _generate(
+        self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
+    ) -> list[base.GenerationOutput]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         seeds = sampling.seeds or tuple(range(len(prompts_token_ids)))
-        params = [SamplingParams(**sampling_kwargs(sampling, s)) for s in seeds]
+        params = [
+            SamplingParams(**sampling_kwargs(sampling, s, sampling.budget(i))) for i, s in enumerate(seeds)
+        ]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
         lora = _lora_request(self._adapter) if self._adapter is not None else None
         ids = [f"{self.name}-{next(self._request_ids)}" for _ in prompts]
         finals = self._run(self._generate_all(prompts, params, ids, lora))
         results = []
         for p, o in zip(prompts_token_ids, finals, strict=True):
+            if o is None:  # refused by vLLM's pause (submitted as it began): aborted before a token
+                results.extend(base.aborted_outputs([p], {"engine": self.name, "version": self._version}))
+                continue
             c = o.outputs[0]
             toks = tuple(int(t) for t in c.token_ids)
             lps = tuple(float(c.logprobs[i][t].logprob) for i, t in enumerate(toks)) if c.logprobs else ()
@@ -319,12 +350,16 @@ class VLLMEngine(base.RolloutEngine):
     async def _generate_all(
         self, prompts: list[Any], params: list[Any], ids: list[str], lora: Any
     ) -> list[Any]:
+        refused = _pause_refusal()
+
         async def one(prompt: Any, param: Any, request_id: str) -> Any:
             self._inflight.add(request_id)
             final = None
             try:
                 async for out in self._llm.generate(prompt, param, request_id, lora_request=lora):
                     final = out
+            except refused:
+                return None  # vLLM refuses new requests while paused (mode "abort"): not a failure
             finally:
                 self._inflight.discard(request_id)
             return final
@@ -334,6 +369,31 @@ class VLLMEngine(base.RolloutEngine):
         )
 
     # ---- partial rollouts (vLLM's pause / abort / resume) ----------------------------------------
+    supports_partial_rollouts = True
+
+    def interrupt(self) -> None:
+        """The engine contract's interrupt (`base.RolloutEngine.interrupt`) on vLLM's RL API:
+        `pause_generation(mode="abort")` ends every request in flight with the tokens it has
+        (finish_reason "abort") and clears the KV cache (a resumed request is prefilled again under
+        the new weights); returns once no generate call runs. A request submitted as the pause began
+        (refused by vLLM 0.33, queued by 0.23) is aborted by id."""
+        paused = False
+
+        def stop_running() -> None:
+            nonlocal paused
+            if not paused:
+                self.pause_generation(mode="abort", clear_cache=True)
+                paused = True
+            elif self._inflight:
+                self.abort_requests()
+
+        self._pause.pause(self._timeout_s, stop_running)
+
+    def resume(self) -> None:
+        """vLLM schedules again (`resume_generation`), then generate() calls are taken again."""
+        self.resume_generation()
+        self._pause.resume()
+
     def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
         """Stop scheduling: "keep" freezes in-flight requests (they go on at `resume_generation`),
         "abort" ends them (finish_reason "abort", tokens so far returned), "wait" lets them finish.
@@ -380,6 +440,7 @@ class VLLMEngine(base.RolloutEngine):
         self, named_tensors: Iterable[tuple[str, Any]] | dict[str, Any], version: int | None = None
     ) -> int:
         self._state.check_update()
+        self._pause.check_update()
         weights = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         if self.serves_lora:
             return self._update_adapter(dict(weights), version)
@@ -449,6 +510,7 @@ class VLLMEngine(base.RolloutEngine):
                 f"engine {self.name} serves LoRA: it takes adapters, not full weights"
             )
         self._state.check_update()
+        self._pause.check_update()
         self._run(self._llm.start_weight_update(), self._timeout_s)
 
     def receive_weight_update(self, update_info: dict[str, Any]) -> None:
