@@ -130,6 +130,34 @@ def test_without_groups_every_rank_still_walks_every_bucket_in_the_engine_dtype(
     assert elements * 2 <= bf16.nbytes < elements * 2 + 16 * len(tensors)
 
 
+def test_merged_syncs_leave_a_bf16_base_bit_for_bit_as_it_was() -> None:
+    """A merged sync of a bf16 LoRA model, ten times: the trainer's base weights are exactly what they
+    were (an in-place merge and unmerge in bf16 moves them by a rounding error each time), and each
+    merged weight is W + the adapter's delta rounded once to bf16."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_model().to(torch.bfloat16),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = "model.layers.0.self_attn.q_proj"
+    layer = model.get_base_model().get_submodule(q)
+    for _ in range(10):
+        with weight_sync.merged_lora_tensors(model) as tensors:
+            merged = dict(tensors)[f"{q}.weight"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    expected = (
+        before[f"base_model.model.{q}.base_layer.weight"].float() + layer.get_delta_weight("default").float()
+    )
+    assert merged.dtype == torch.bfloat16 and torch.equal(merged, expected.to(torch.bfloat16))
+
+
 def test_merged_lora_tensors_use_base_names_and_leave_training_weights_unmerged() -> None:
     from peft import LoraConfig, get_peft_model
 

@@ -425,21 +425,37 @@ def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 @contextlib.contextmanager
 def merged_lora_tensors(peft_model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Base-model tensors with the LoRA adapter merged in, in the base model's naming.
+    """Base-model tensors with the LoRA adapter merged in, in the base model's naming (for engines
+    without LoRA).
 
-    For engines without LoRA: merges for the sync and unmerges on exit, so training goes on from the
-    unmerged weights.
+    Merged out of place: each adapted weight is W + the adapter's delta, summed in float32 and
+    rounded once to W's dtype, into a new tensor; the trainer's own weights are never written.
+    (PEFT's merge_adapter() / unmerge_adapter() add and then subtract the delta in W's dtype: in
+    bf16 each sync would move the frozen base by a rounding error, and training would go on from
+    weights that are no longer the model's.) Costs a copy of the adapted weights while it is open.
     """
-    peft_model.merge_adapter()  # type: ignore[operator]
-    try:
-        base = peft_model.get_base_model()  # type: ignore[operator]
-        yield [
-            (name.replace(".base_layer.", "."), tensor)
-            for name, tensor in model_tensors(base)
-            if "lora_" not in name
-        ]
-    finally:
-        peft_model.unmerge_adapter()  # type: ignore[operator]
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    adapted = {
+        f"{name}.base_layer.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters
+    }
+    out: list[tuple[str, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, tensor in model_tensors(base):
+            if "lora_" in name:
+                continue
+            module = adapted.get(name)
+            if module is not None:
+                merged = tensor.float()
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A or adapter in module.lora_embedding_A:
+                        merged = merged + module.get_delta_weight(adapter).float()
+                tensor = merged.to(tensor.dtype)
+            out.append((name.replace(".base_layer.", "."), tensor))
+    yield out
 
 
 def lora_adapter_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
