@@ -56,9 +56,24 @@ def _generate_in_thread(engine, prompts, sampling):
     return t, out
 
 
-def _wait_generating(engine) -> None:
+def _count_forwards(engine) -> list[int]:
+    """Counts the engine model's forward passes (the prefill, then one per token)."""
+    calls = [0]
+    forward = engine.model.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    engine.model.forward = counted
+    return calls
+
+
+def _wait_generating(engine, forwards: list[int] | None = None, at_least: int = 0) -> None:
+    """Until a generate call runs (and, with `forwards`, has made `at_least` forward passes: on a loaded
+    machine the prefill alone can take longer than any fixed sleep)."""
     deadline = time.monotonic() + 30
-    while engine.pause_state.generating == 0:
+    while engine.pause_state.generating == 0 or (forwards is not None and forwards[0] < at_least):
         assert time.monotonic() < deadline, "generate never started"
         time.sleep(0.001)
 
@@ -67,9 +82,9 @@ def test_interrupt_stops_the_call_in_flight_and_weights_wait_for_the_pause() -> 
     engine, prompts = _engine()
     engine._eos_id = -1  # never stops early: only the interrupt or the budget ends a request
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    forwards = _count_forwards(engine)
     t, out = _generate_in_thread(engine, prompts, _sampling(len(prompts)))
-    _wait_generating(engine)
-    time.sleep(0.05)
+    _wait_generating(engine, forwards, at_least=3)  # the prefill and two tokens
     with pytest.raises(base.EngineBusyError, match="interrupt"):
         engine.update_weights(weights, 1)  # never halfway through a call, as after vLLM's pause
     engine.interrupt()  # returns only once no call runs

@@ -281,6 +281,22 @@ class PauseState:
             self.generating -= 1
             self._cond.notify_all()
 
+    def run_generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        meta: dict[str, Any],
+        generate: Callable[[], list[GenerationOutput]],
+    ) -> list[GenerationOutput]:
+        """One generate call under the pause rules: while paused every request aborts before its first
+        token (`aborted_outputs`, with `meta`), nothing sampled under weights about to change; else
+        `generate()`, counted as running until it returns."""
+        if not self.begin_generate():
+            return aborted_outputs(prompts_token_ids, meta)
+        try:
+            return generate()
+        finally:
+            self.end_generate()
+
     def should_stop(self) -> bool:
         """Checked between tokens: an interrupt asked the running calls to stop."""
         return self.paused

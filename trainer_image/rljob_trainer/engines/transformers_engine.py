@@ -227,12 +227,10 @@ class TransformersEngine(base.RolloutEngine):
         n = len(prompts_token_ids)
         if n == 0:
             return []
-        if not self._pause.begin_generate():
-            return base.aborted_outputs(prompts_token_ids, {"engine": self.name, "version": self._version})
-        try:
-            return self._generate(prompts_token_ids, sampling)
-        finally:
-            self._pause.end_generate()
+        meta = {"engine": self.name, "version": self._version}
+        return self._pause.run_generate(
+            prompts_token_ids, meta, lambda: self._generate(prompts_token_ids, sampling)
+        )
 
     def _generate(
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings

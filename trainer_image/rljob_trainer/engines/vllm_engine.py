@@ -311,12 +311,10 @@ class VLLMEngine(base.RolloutEngine):
         self._state.check_generate()
         if not prompts_token_ids:
             return []
-        if not self._pause.begin_generate():  # interrupted: nothing is sampled under weights about to change
-            return base.aborted_outputs(prompts_token_ids, {"engine": self.name, "version": self._version})
-        try:
-            return self._generate(prompts_token_ids, sampling)
-        finally:
-            self._pause.end_generate()
+        meta = {"engine": self.name, "version": self._version}
+        return self._pause.run_generate(
+            prompts_token_ids, meta, lambda: self._generate(prompts_token_ids, sampling)
+        )
 
     def _generate(
         self, prompts_token_ids: Sequence[Sequence[int]], sampling: base.SamplingSettings
