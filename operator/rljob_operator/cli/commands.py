@@ -86,7 +86,6 @@ def cmd_plan_from_job(args: argparse.Namespace) -> int:
     from kubernetes.client.rest import ApiException
 
     from rljob_operator import names
-    from rljob_trainer import telemetry
 
     core, custom = console._clients(args.kubeconfig, args.context)
     namespace = console._namespace(args.namespace, args.context)
@@ -99,13 +98,7 @@ def cmd_plan_from_job(args: argparse.Namespace) -> int:
             return 1
         raise
     spec = _parse_spec(rljob, f"RLJob {namespace}/{name}")
-    try:
-        cm = core.read_namespaced_config_map(names.telemetry_config_map_name(name), namespace)
-        reports = telemetry.parse_reports((cm.data or {}).get(telemetry.REPORTS_KEY))
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-        reports = []
+    reports = console.read_reports(core, namespace, name)
     model_config = _job_model_config(core, namespace, spec, args.model_config)
     fitted = planning.refit_job(spec, model_config, reports)
     if fitted is None:

@@ -290,18 +290,23 @@ def _namespace(explicit: str | None, context: str | None) -> str:
         return "default"
 
 
-def fetch_status_view(core: Any, custom: Any, namespace: str, name: str) -> dict[str, Any]:
-    """Read the RLJob, its telemetry history and its Events; raises ApiException (404: no such job)."""
+def read_reports(core: Any, namespace: str, name: str) -> list[Any]:
+    """The job's SyncReport history from its telemetry ConfigMap ([] before the trainer wrote one)."""
     from kubernetes.client.rest import ApiException
 
-    rljob = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
     try:
         cm = core.read_namespaced_config_map(names.telemetry_config_map_name(name), namespace)
-        reports = telemetry.parse_reports((cm.data or {}).get(telemetry.REPORTS_KEY))
     except ApiException as exc:
         if exc.status != 404:
             raise
-        reports = []
+        return []
+    return telemetry.parse_reports((cm.data or {}).get(telemetry.REPORTS_KEY))
+
+
+def fetch_status_view(core: Any, custom: Any, namespace: str, name: str) -> dict[str, Any]:
+    """Read the RLJob, its telemetry history and its Events; raises ApiException (404: no such job)."""
+    rljob = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+    reports = read_reports(core, namespace, name)
     selector = f"involvedObject.name={name},involvedObject.kind={api.KIND}"
     raw = core.list_namespaced_event(namespace, field_selector=selector, _preload_content=False)
     events = json.loads(raw.data).get("items", [])
