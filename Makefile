@@ -18,6 +18,7 @@ cluster-up: setup
 	@PYTHONPATH=tests .venv/bin/python -m testenv up
 
 cluster-down:
+	@if [ -f .rljob/operator.pid ]; then kill "$$(cat .rljob/operator.pid)" 2>/dev/null || true; rm -f .rljob/operator.pid; fi
 	@PYTHONPATH=tests .venv/bin/python -m testenv down
 
 crd:

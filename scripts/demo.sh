@@ -10,7 +10,7 @@
 # The trainer pods are scheduled and bound for real, and the cluster's cpu node runs them as
 # processes on this machine (testenv's local-exec kubelet): the tiny model really trains, two
 # gloo ranks over a Ray cluster that spans the two pod processes.
-# The cluster stays up afterwards; `make cluster-down` stops it.
+# The cluster and the operator stay up afterwards; `make cluster-down` stops both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
@@ -39,11 +39,14 @@ for example in examples/qwen3.5-4b-gsm8k-adaptive.yaml examples/tiny-cpu.yaml; d
 done
 
 mkdir -p .rljob
+# An operator an earlier demo left running holds the Lease: this one would wait for it.
+[ -f .rljob/operator.pid ] && kill "$(cat .rljob/operator.pid)" 2>/dev/null && sleep 2
 echo "==> starting the operator (log: .rljob/operator.log)"
 # A 1 s resync so the STEP column moves every second (the default is 10 s).
-RLJOB_RECONCILE_INTERVAL_S=1 .venv/bin/rljob operator --all-namespaces > .rljob/operator.log 2>&1 &
+RLJOB_RECONCILE_INTERVAL_S=1 nohup .venv/bin/rljob operator --all-namespaces > .rljob/operator.log 2>&1 &
 operator_pid=$!
-trap 'kill $operator_pid 2>/dev/null || true' EXIT
+echo "$operator_pid" > .rljob/operator.pid
+trap 'kill $operator_pid 2>/dev/null || true; rm -f .rljob/operator.pid' EXIT   # kept if the demo succeeds
 
 kubectl delete rljob tiny-cpu --ignore-not-found --timeout=60s   # a re-run starts afresh
 # 200 steps instead of 20 (~0.15 s each here) so the STEP column visibly advances.
@@ -93,6 +96,9 @@ kubectl get events --field-selector "involvedObject.name=$job" --sort-by=.lastTi
   -o custom-columns=TIME:.lastTimestamp,REASON:.reason,MESSAGE:.message | cut -c1-220 \
   | grep -E "TIME|Adaptive|RolloutPod|PodsCreated" || true
 [ "$phase" = "Succeeded" ] || { echo "$job ended '$phase'; see .rljob/operator.log and the pod logs" >&2; exit 1; }
-echo "The local cluster is still up. Use it with:"
+trap - EXIT  # the operator stays up with the cluster, for the other examples
+echo "The local cluster and the operator (pid $operator_pid, log .rljob/operator.log) are still up. Use them with:"
 echo "  $export_line"
-echo "Stop it with: make cluster-down"
+echo "  kubectl apply -f examples/claims/qwen3.5-4b-gsm8k-adaptive.yaml -f examples/qwen3.5-4b-gsm8k-adaptive.yaml"
+echo "  kubectl get rljobs; kubectl describe rljob qwen35-4b-gsm8k"
+echo "Stop both with: make cluster-down"
