@@ -150,10 +150,10 @@ def refit_message(fit: refit_mod.Refit) -> str:
     d = fit.decode_tokens_per_s_per_engine
     t = fit.training_tokens_per_s
     parts = [
-        f"steps {fit.from_step}-{fit.to_step}: the plan predicted a {fit.predicted_step_s:.1f} s step, "
-        f"the job measured {fit.measured_step_s:.1f} s (predicted/measured {fit.step_time_ratio:.2f})",
-        f"decode ran at x{1 / fit.decode_scale:.2f} the planned rate",
-        f"training at x{1 / fit.training_scale:.2f}",
+        f"steps {fit.from_step}-{fit.to_step}: the plan predicted a {fit.predicted_step_s:.3g} s step, "
+        f"the job measured {fit.measured_step_s:.3g} s (predicted/measured {fit.step_time_ratio:.3g})",
+        f"decode ran at x{1 / fit.decode_scale:.3g} the planned rate",
+        f"training at x{1 / fit.training_scale:.3g}",
     ]
     if d.measured is not None:
         parts[1] += f" ({d.measured:.0f} vs {d.planned:.0f} tokens/s per engine)"
@@ -162,7 +162,7 @@ def refit_message(fit: refit_mod.Refit) -> str:
     p = fit.plan
     parts.append(
         f"with the measured rates the estimator plans {p.trainer_accelerators} trainer accelerator(s) and "
-        f"{p.rollout_engines} dedicated engine(s), a {p.step_time_s:.1f} s step"
+        f"{p.rollout_engines} dedicated engine(s), a {p.step_time_s:.3g} s step"
     )
     return "; ".join(parts)
 
