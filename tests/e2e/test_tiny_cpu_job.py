@@ -42,7 +42,7 @@ os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
 
 from kopf.testing import KopfRunner
 
-from testenv import fakelet
+from testenv import local_exec
 from testenv.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,7 +271,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
                 items = sorted((data or {}).get("items", []), key=lambda p: p["metadata"]["name"])
                 ok = [p["metadata"]["name"] for p in items] == pod_names and all(
                     p["spec"].get("nodeName") == cpu_node
-                    and p.get("status", {}).get("podIP") == fakelet.LOCAL_POD_IP
+                    and p.get("status", {}).get("podIP") == local_exec.LOCAL_POD_IP
                     for p in items
                 )
                 return items if ok else []

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from testenv import binaries, fakelet, pki
+from testenv import binaries, fakelet, local_exec, pki
 from testenv.waiting import wait_for
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -457,7 +457,7 @@ class LocalCluster:
         names = [f"{name_prefix}-{i}" for i in range(count)]
         node_labels = dict(labels or {})
         if exec_local:
-            node_labels[fakelet.LOCAL_EXEC_LABEL] = "true"
+            node_labels[local_exec.LOCAL_EXEC_LABEL] = "true"
         for name in names:
             self.kubelet.register_node(
                 fakelet.node_manifest(
