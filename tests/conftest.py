@@ -85,7 +85,7 @@ MODULE_S: dict[str, float] = {
     "tests/integration/test_weight_sync_processes.py": 135,
     "tests/integration/test_weight_transfer_failure.py": 130,
     "tests/integration/test_operator_causes.py": 125,
-    "tests/integration/test_trackers.py": 90,
+    "tests/integration/test_trackers.py": 35,
     "tests/integration/test_gang_scheduling.py": 70,
     "tests/integration/test_ray_auth.py": 70,
     "tests/integration/test_ray_placement.py": 60,
@@ -122,7 +122,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     worker take the back half of another's queue. So the modules are dealt longest first to the
     worker with the least expected time (each module's tests kept together and in order, so its
     module-scoped fixtures are set up once); each run is that worker's slow modules, longest
-    first, then fast tests up to its share. A worker never sits idle while the other still starts
+    first, then fast tests up to its share (the modules that start Kueue count as one, so one
+    worker starts it). A worker never sits idle while the other still starts
     a job run of minutes, and stealing evens out the tail. Every worker collects the same order.
     """
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
@@ -130,6 +131,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     cost = {m: MODULE_S.get(m, sum(_estimate_s(i) for i in tests)) for m, tests in modules.items()}
+    # The modules that start Kueue (half a minute on each worker's cluster) go to one worker.
+    uses_kueue = [m for m, tests in modules.items() if any("kueue" in i.fixturenames for i in tests)]
+    if len(uses_kueue) > 1:
+        modules["kueue"] = [i for m in uses_kueue for i in modules.pop(m)]
+        cost["kueue"] = sum(cost.pop(m) for m in uses_kueue)
     slow = sorted((m for m in modules if cost[m] >= 10.0), key=lambda m: -cost[m])
     fast = [i for m, tests in modules.items() if cost[m] < 10.0 for i in tests]
     shares = _worksteal_shares(len(items), workers)
