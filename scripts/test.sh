@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 scripts/lint.sh
 echo "==> pytest" >&2
-# Two xdist workers, each with its own control plane on free ports. The slowest modules come first
-# (tests/conftest.py) and an idle worker steals queued tests from the other (--dist worksteal), so
-# neither starts a job run of minutes while the other has nothing left; the slowest are listed.
+# Two xdist workers, each with its own control plane on free ports. Each starts on its share of the
+# slowest modules (tests/conftest.py) and an idle worker steals queued tests from the other (--dist
+# worksteal), so neither starts a job run of minutes while the other has nothing left; the slowest
+# are listed.
 exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"
