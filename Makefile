@@ -1,5 +1,5 @@
 # The README's two commands are `make demo` and `make test`; both set up everything they need.
-.PHONY: demo test test-fast setup cluster-up cluster-down crd bench lock test-vllm audit
+.PHONY: demo test test-fast lint setup cluster-up cluster-down crd bench lock test-vllm audit
 
 demo:
 	scripts/demo.sh
@@ -10,6 +10,10 @@ test:
 # The inner loop: lint, contracts, CRD and the tests that need no cluster and no Ray (a few minutes).
 test-fast:
 	scripts/test-fast.sh
+
+# The checks both run before pytest: ruff, import contracts, CRD freshness, the strict docs build.
+lint: setup
+	scripts/lint.sh
 
 setup:
 	scripts/bootstrap.sh

@@ -5,15 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-echo "==> ruff" >&2
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-echo "==> import contracts" >&2
-.venv/bin/lint-imports
-echo "==> CRD is generated from the API models" >&2
-.venv/bin/rljob crd --check
-echo "==> docs build strictly (broken links, anchors, pages left out of the nav)" >&2
-.venv/bin/mkdocs build --strict --quiet
+scripts/lint.sh
 echo "==> pytest (no cluster, no Ray, not slow)" >&2
 exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" -m "not cluster and not ray and not slow" \
   --durations=10 "$@"

@@ -5,17 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-echo "==> ruff" >&2
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-echo "==> import contracts" >&2
-.venv/bin/lint-imports
-echo "==> CRD is generated from the API models" >&2
-.venv/bin/rljob crd --check
-echo "==> docs build strictly (broken links, anchors, pages left out of the nav)" >&2
-.venv/bin/mkdocs build --strict --quiet
+scripts/lint.sh
 echo "==> pytest" >&2
-# Two xdist workers, each with its own control plane on free ports. The slowest modules come first
-# (tests/conftest.py) and an idle worker steals queued tests from the other (--dist worksteal), so
-# neither starts a job run of minutes while the other has nothing left; the slowest are listed.
+# Two xdist workers, each with its own control plane on free ports. Each starts on its share of the
+# slowest modules (tests/conftest.py) and an idle worker steals queued tests from the other (--dist
+# worksteal), so neither starts a job run of minutes while the other has nothing left; the slowest
+# are listed.
 exec .venv/bin/python -m pytest -n "${RLJOB_TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"

@@ -3,6 +3,7 @@
 `crd` installs the generated CRD once per module; `pool` adds fake GPU nodes under a fresh pool
 label (removed after the test); `kubeconfig_env` points the in-process operator at the cluster;
 `operator_identity` runs it as a ServiceAccount bound to the operator ClusterRole instead of admin.
+`ray_node` starts one private Ray node for a trainer module that runs the driver on real Ray.
 """
 
 from __future__ import annotations
@@ -63,3 +64,26 @@ def operator_identity(cluster: Any, namespace: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KUBECONFIG", str(cluster.token_kubeconfig(token, name)))
     yield name
     cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
+
+
+@pytest.fixture(scope="module")
+def ray_node(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One private Ray node for the module (starting one is the slow, load-sensitive part), started
+    as `python -m rljob_trainer` starts it without a cluster, for the module's `ray_node_config()`
+    (the markers of its rollout pods included). The module's host classes ship by value: the actor
+    processes need not import the tests."""
+    ray = pytest.importorskip("ray")
+    from rljob_trainer import __main__ as entry
+
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    cfg = request.module.ray_node_config()
+    for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
+        try:
+            entry._start_ray_driver(cfg, {}, cfg.rollout.max_dedicated_engines)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+    yield
+    ray.shutdown()

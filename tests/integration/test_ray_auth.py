@@ -80,14 +80,23 @@ def head(tmp_path: Path) -> Iterator[tuple[int, int, str, Path]]:
         subprocess.run(["rm", "-rf", str(temp)], check=False)
 
 
-def client(port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", CLIENT.format(port=port)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def clients(port: int, *envs: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    """One Ray client per environment, all at once (a refused client takes its time to give up)."""
+    cmd = [sys.executable, "-c", CLIENT.format(port=port)]
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for env in envs
+    ]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return done
 
 
 def test_the_head_admits_only_clients_with_the_jobs_token(
@@ -96,14 +105,17 @@ def test_the_head_admits_only_clients_with_the_jobs_token(
     port, dashboard, token, temp = head
     env = base_env(tmp_path / "client-home")
 
-    joined = client(port, {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    # With the job's token; another tenant's pod, without one (Ray's default for an explicit
+    # address: auth disabled); and one with a wrong token.
+    joined, refused, wrong = clients(
+        port,
+        {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+        env,
+        {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)},
+    )
     assert joined.returncode == 0 and "JOINED 1" in joined.stdout, joined.stdout + joined.stderr[-3000:]
-
-    # Another tenant's pod: no token (Ray's default for an explicit address: auth disabled).
-    refused = client(port, env)
     assert refused.returncode != 0 and "JOINED" not in refused.stdout
     assert "authenticat" in (refused.stdout + refused.stderr).lower(), refused.stderr[-3000:]
-    wrong = client(port, {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
     assert wrong.returncode != 0 and "JOINED" not in wrong.stdout, wrong.stderr[-3000:]
 
     # No Ray client server: `ray start --head` would have started one and logged it here.

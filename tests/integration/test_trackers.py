@@ -150,7 +150,11 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield uri
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        try:  # uvicorn waits out its graceful shutdown (about 30 s) for nothing here
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
         log.close()
 
 
@@ -211,7 +215,10 @@ def test_wandb_offline_and_a_real_mlflow_server_get_every_step_nan_included(
     assert same([e.value for e in acc.Scalars("loss")], [m["loss"] for m in metrics])
 
 
-def test_a_tracker_that_cannot_start_is_reported_to_the_operator(tmp_path: Path) -> None:
+def test_a_tracker_that_cannot_start_is_reported_to_the_operator(tmp_path: Path, monkeypatch: Any) -> None:
+    # MLflow's client retries a refused connection 7 times with exponential backoff (about four
+    # minutes in all) before it raises; the same error is raised at the first try without them.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     cfg = toy_config(
         grpo={"maxSteps": 1, "promptsPerStep": 2, "groupSize": 2},
         distributed={"numTrainerRanks": 1, "launcher": "local"},

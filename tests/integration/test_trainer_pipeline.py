@@ -14,7 +14,6 @@ engine's gloo group, and the node advertises `rljob_rollout_<j>` for every simul
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any, ClassVar
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import __main__ as entry
 from rljob_trainer import driver, runtimes, telemetry_sink, trainer
 from rljob_trainer.engines import base
 
@@ -72,24 +70,10 @@ def _hanging_host(marker: Path) -> type:
     return type("HangingHost", (_HangingHost,), {"marker": str(marker)})
 
 
-@pytest.fixture(scope="module")
-def ray_node() -> Iterator[None]:
-    """One private Ray node for the module (starting one is the slow, load-sensitive part), with
-    the markers of two rollout pods."""
-    ray = pytest.importorskip("ray")
-    # Ship this module's host classes by value: the actor processes need not import the tests.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = _cfg(dedicatedEngines=2)
-    for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
-        try:
-            entry._start_ray_driver(cfg, {}, cfg.rollout.max_dedicated_engines)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
-    yield
-    ray.shutdown()
+def ray_node_config() -> Any:
+    """The private Ray node (the `ray_node` fixture, tests/integration/conftest.py): the markers of
+    two rollout pods."""
+    return _cfg(dedicatedEngines=2)
 
 
 @pytest.fixture

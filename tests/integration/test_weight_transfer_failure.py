@@ -9,7 +9,6 @@ by rollout.engineTimeoutS), and training goes on; the pod's engine rejoins at th
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any, ClassVar
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import __main__ as entry
 from rljob_trainer import driver, runtimes
 from rljob_trainer.rollout import weight_sync
 
@@ -78,21 +76,9 @@ class _FailingHost(runtimes.Host):
         return super().receive_engine_weights()
 
 
-@pytest.fixture(scope="module")
-def ray_node() -> Iterator[None]:
-    ray = pytest.importorskip("ray")
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = _cfg()
-    for attempt in range(3):  # a loaded 2-core machine can miss Ray's fixed 30 s raylet start wait
-        try:
-            entry._start_ray_driver(cfg, {}, cfg.rollout.max_dedicated_engines)
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
-    yield
-    ray.shutdown()
+def ray_node_config() -> Any:
+    """The private Ray node's size (the `ray_node` fixture, tests/integration/conftest.py)."""
+    return _cfg()
 
 
 @pytest.fixture
