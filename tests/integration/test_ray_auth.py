@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rljob_trainer.__main__ import ray_head_command
-from testenv import fakelet
+from testenv import local_exec
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -60,7 +60,7 @@ def head(tmp_path: Path) -> Iterator[tuple[int, int, str, Path]]:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
             "RLJOB_RAY_PORT": str(port),
-            fakelet.POD_MARKER_ENV: marker,  # every process it spawns, to stop only those
+            local_exec.POD_MARKER_ENV: marker,  # every process it spawns, to stop only those
         }
     )
     cmd = [
@@ -75,8 +75,8 @@ def head(tmp_path: Path) -> Iterator[tuple[int, int, str, Path]]:
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         yield port, dashboard, token, temp
     finally:
-        local = fakelet.LocalPod("test", "ray-head", marker, tmp_path, tmp_path / "log")
-        fakelet.kill_pod_processes(local, grace_s=10)
+        local = local_exec.LocalPod("test", "ray-head", marker, tmp_path, tmp_path / "log")
+        local_exec.kill_pod_processes(local, grace_s=10)
         subprocess.run(["rm", "-rf", str(temp)], check=False)
 
 

@@ -34,14 +34,7 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from testenv import kubelet_logs, local_exec
-from testenv.local_exec import (  # POD_MARKER_ENV, kill_pod_processes: re-exported for tests
-    LOCAL_EXEC_LABEL,
-    POD_MARKER_ENV,  # noqa: F401
-    LocalPod,
-    _has_started,
-    accelerator_resources,
-    kill_pod_processes,  # noqa: F401
-)
+from testenv.local_exec import LOCAL_EXEC_LABEL, LocalPod, _has_started, accelerator_resources
 
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_S = 40

@@ -106,10 +106,18 @@ class WandbTracker:
         self._run.finish()
 
 
+MLFLOW_REQUEST_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
 class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, settings: config_mod.MlflowSettings, *, run_name: str | None) -> None:
+        # MLflow's client retries a failed request 7 times with exponential backoff (about four
+        # minutes) and waits 120 s for an answer: an unreachable server would stall the trainer at
+        # start and then at every step's log. Bounded here unless the pod's env says otherwise.
+        for var, value in MLFLOW_REQUEST_BOUNDS.items():
+            os.environ.setdefault(var, value)
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=settings.tracking_uri)
