@@ -200,6 +200,26 @@ class Phases:
         return (g + t + s) / (max(g, t) + s)
 
 
+def contention(sync: Phases, overlapped: Phases) -> str:
+    """Where an efficiency below 1 goes. Each phase of the overlapped run against the same phase
+    alone (the synchronous run): above x1.00 the other phase's process slowed it (shared caches,
+    memory bandwidth, a neighbour on the host), which the ideal cannot count and the capacity probe,
+    a cache-resident matmul, does not see. And the share of the overlapped step its slower phase and
+    the serial rest explain: near 1.00 the pipeline itself hides all it can."""
+
+    def slowdown(alone: float, together: float) -> float:
+        return together / alone if alone > 0 else float("nan")
+
+    explained = (max(overlapped.generation_s, overlapped.training_s) + sync.rest_s) / overlapped.step_s
+    generation = slowdown(sync.generation_s, overlapped.generation_s)
+    training = slowdown(sync.training_s, overlapped.training_s)
+    return (
+        f"contention: overlapped, generation took x{generation:.2f} and training x{training:.2f} "
+        f"their time alone; the slower "
+        f"phase and the serial rest are {explained:.2f} of the overlapped step"
+    )
+
+
 def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps that measure the steady state: not the first (warm-up) nor the last (nothing left to
     generate beside its training, so an asynchronous run's last step trains alone on a core)."""
@@ -469,6 +489,7 @@ def main() -> None:
                 rows = run(cfg, work, f"async-{k}-{int(partial)}")
                 fig = figures(label, sync, rows, max_staleness=k, partial=partial)
                 print(_describe(f"async ({label})", fig.async_phases))
+                print(contention(sync, fig.async_phases))
                 results.append(fig)
         capacity.append(parallel_capacity())
     print(

@@ -101,3 +101,11 @@ def test_the_calibration_balances_a_machine_whose_phases_grow_differently_with_t
     assert max(gen, train) / min(gen, train) < 1.25, (prompts, tokens, gen, train)
     assert 0.8 * 0.75 <= max(gen, train) <= 0.8 * 1.25
     assert len(probes) <= 5
+
+
+def test_contention_names_the_phases_slowdown_and_what_the_pipeline_hid(bench: ModuleType) -> None:
+    alone = bench.Phases(6, 2.0, 1.0, 0.9, 0.05, 1.0, 0.02)  # 0.1 s serial rest
+    together = bench.Phases(6, 1.6, 1.1, 1.5, 0.05, 0.0, 0.02)
+    line = bench.contention(alone, together)
+    assert "generation took x1.10 and training x1.67" in line
+    assert "are 1.00 of the overlapped step" in line  # (max(1.1, 1.5) + 0.1) / 1.6
