@@ -20,7 +20,6 @@ Nodes labelled `rljob.io/local-exec: "true"` run their pods as processes on this
 from __future__ import annotations
 
 import contextlib
-import datetime
 import ipaddress
 import logging
 import shutil
@@ -34,7 +33,7 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from testenv import kubelet_logs, local_exec
-from testenv.local_exec import LOCAL_EXEC_LABEL, LocalPod, _has_started, accelerator_resources
+from testenv.local_exec import LOCAL_EXEC_LABEL, LocalPod, _has_started, _now, _rfc3339, accelerator_resources
 
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_S = 40
@@ -45,14 +44,6 @@ IMAGE_PULL_BACKOFF_AFTER_S = 4.0  # the first pull fails, then the kubelet backs
 BLOCKED_RECHECK_S = 2.0
 
 log = logging.getLogger(__name__)
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def _rfc3339(moment: datetime.datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def node_manifest(

@@ -44,7 +44,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -66,11 +65,6 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.utils import parse_quantity
 
-LEASE_NAMESPACE = "kube-node-lease"
-LEASE_DURATION_S = 40
-LEASE_RENEW_S = 10.0
-POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
-
 log = logging.getLogger(__name__)
 
 
@@ -80,80 +74,6 @@ def _now() -> datetime.datetime:
 
 def _rfc3339(moment: datetime.datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def node_manifest(
-    name: str,
-    *,
-    resource: str | None,
-    per_node: int,
-    labels: dict[str, str],
-    taints: list[dict[str, str]],
-    cpu: str,
-    memory: str,
-    pods: int,
-) -> dict[str, Any]:
-    """A Node as a kubelet would register it, with `per_node` units of `resource` (e.g. nvidia.com/gpu)."""
-    capacity = {"cpu": cpu, "memory": memory, "pods": str(pods), "ephemeral-storage": "1Ti"}
-    if resource:
-        capacity[resource] = str(per_node)
-    heartbeat = _rfc3339(_now())
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "rljob.io/fake-node": "true",
-                **labels,
-            },
-        },
-        "spec": {"taints": taints},
-        "status": {
-            "capacity": capacity,
-            "allocatable": dict(capacity),
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "KubeletReady",
-                    "message": "fake kubelet is posting ready status",
-                    "lastHeartbeatTime": heartbeat,
-                    "lastTransitionTime": heartbeat,
-                },
-                *[
-                    {
-                        "type": kind,
-                        "status": "False",
-                        "reason": f"KubeletHasNo{kind}",
-                        "message": "",
-                        "lastHeartbeatTime": heartbeat,
-                        "lastTransitionTime": heartbeat,
-                    }
-                    for kind in ("MemoryPressure", "DiskPressure", "PIDPressure")
-                ],
-            ],
-            "addresses": [
-                {"type": "InternalIP", "address": "127.0.0.1"},
-                {"type": "Hostname", "address": name},
-            ],
-            "nodeInfo": {
-                "architecture": "amd64",
-                "operatingSystem": "linux",
-                "kubeletVersion": "v1.37.2-fake",
-                "containerRuntimeVersion": "fake://1",
-                "kernelVersion": "",
-                "osImage": "fake",
-                "machineID": name,
-                "systemUUID": name,
-                "bootID": name,
-                "kubeProxyVersion": "",
-            },
-        },
-    }
 
 
 # ---- local-exec nodes: pods as processes on this machine ---------------------------------------
