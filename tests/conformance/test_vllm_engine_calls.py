@@ -309,28 +309,34 @@ def _generating(engine: vllm_engine.VLLMEngine, prompts: list[list[int]], sampli
     return thread, out
 
 
+def _aborted_by(spy: SignatureSpy, method: str, *, tokens_made: int) -> None:
+    """vLLM over time: each generate request runs until the engine calls AsyncLLM.`method`, then
+    ends aborted with `tokens_made` tokens."""
+    import asyncio
+
+    called = asyncio.Event()
+
+    def generate(arguments: dict[str, Any]) -> Any:
+        async def until_called() -> Any:
+            await called.wait()
+            yield _request_output(arguments, tokens_made=tokens_made, finish_reason="abort")
+
+        return until_called()
+
+    async def mark() -> None:
+        called.set()
+
+    spy.results["generate"] = generate
+    spy.results[method] = lambda _: mark()
+
+
 def test_an_interrupt_aborts_what_runs_through_vllms_pause_and_resume_serves_the_rest(
     spy: SignatureSpy,
 ) -> None:
     """vLLM's pause_generation(mode="abort") ends each request in flight with the tokens it has
     (finish_reason "abort"); the engine returns them, refuses new calls and weight-update rounds
     in between as the contract says, and resume_generation lets it serve the rest of a budget."""
-    import asyncio
-
-    paused = asyncio.Event()
-
-    def generate(arguments: dict[str, Any]) -> Any:
-        async def until_the_pause() -> Any:
-            await paused.wait()  # generating until vLLM's pause aborts it, 2 tokens in
-            yield _request_output(arguments, tokens_made=2, finish_reason="abort")
-
-        return until_the_pause()
-
-    async def pause() -> None:
-        paused.set()
-
-    spy.results["generate"] = generate
-    spy.results["pause_generation"] = lambda _: pause()
+    _aborted_by(spy, "pause_generation", tokens_made=2)  # generating until vLLM's pause, 2 tokens in
     engine = _engine(_cfg(), spy, colocated=False)
     sampling = base.SamplingSettings(temperature=1.0, max_tokens=6, seeds=(1, 2))
     thread, out = _generating(engine, [[5, 6], [7]], sampling)
@@ -365,22 +371,7 @@ def test_a_request_that_reaches_vllm_as_the_pause_begins_is_aborted_by_id(spy: S
     """A request submitted just as the pause began is not aborted by it (vLLM 0.23 queues it until
     resume_generation): the interrupt aborts what is still in flight by id, so it never waits for
     the resume that only comes after it returns."""
-    import asyncio
-
-    aborted = asyncio.Event()
-
-    def generate(arguments: dict[str, Any]) -> Any:
-        async def queued_until_aborted() -> Any:
-            await aborted.wait()
-            yield _request_output(arguments, tokens_made=0, finish_reason="abort")
-
-        return queued_until_aborted()
-
-    async def abort() -> None:
-        aborted.set()
-
-    spy.results["generate"] = generate
-    spy.results["abort"] = lambda _: abort()
+    _aborted_by(spy, "abort", tokens_made=0)  # queued until aborted by id
     engine = _engine(_cfg(), spy, colocated=False)
     thread, out = _generating(engine, [[5]], base.SamplingSettings(temperature=1.0, max_tokens=6))
     (request_id,) = engine.inflight_request_ids()
