@@ -223,6 +223,17 @@ def test_a_hung_engine_is_dropped_after_the_timeout_and_no_prompt_is_lost(
     assert "dedicated-1" in d.engines and d.engines["dedicated-1"].version == d.weights_version
 
 
+MAX_PARTIAL_STEPS = 16
+
+
+def _resumed_one(d: driver.GRPODriver, rows: list[dict[str, float]]) -> bool:
+    """A call was interrupted and a sample whose tokens span weights versions was trained on."""
+    return d.pipeline.interrupted > 0 and any(
+        r["rollout/partial_fraction"] > 0 and r["rollout/staleness_tokens_mean"] < r["rollout/staleness_mean"]
+        for r in rows
+    )
+
+
 def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_new_weights(
     ray_node: None,
 ) -> None:
@@ -257,7 +268,12 @@ def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_ne
     d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg))
     try:
         d.setup()
-        rows = [d.step() for _ in range(6)]
+        # Six steps at least; on a loaded machine generation can fall behind for a stretch (the
+        # engine then holds only the next step's requests at a sync, which are not interrupted), so
+        # up to MAX_PARTIAL_STEPS until a resumed sample has been trained on.
+        rows: list[dict[str, float]] = []
+        while len(rows) < 6 or (not _resumed_one(d, rows) and len(rows) < MAX_PARTIAL_STEPS):
+            rows.append(d.step())
     finally:
         d.shutdown()
         for eng in d.engines.values():

@@ -245,8 +245,8 @@ def _launcher(certs: pki.ServingPki, argv: list[str]) -> list[str]:
 
 def start_kueue(cluster: LocalCluster, timeout_s: float = 120) -> Kueue:
     """Install Kueue's CRDs, RBAC and webhooks on `cluster` and run its manager as a cluster child."""
+    build = binaries.ensure_kueue()  # a first build takes minutes: not part of the readiness wait
     deadline = time.monotonic() + timeout_s
-    build = binaries.ensure_kueue()
     config = build / "config" / "components"
     workdir = cluster.workdir / "kueue"
     certs = pki.create_loopback_serving_pki(workdir / "certs", "kueue-webhook")
