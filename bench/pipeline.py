@@ -86,6 +86,7 @@ def make_config(
     launcher: str = "ray",
     partial: bool = False,
     chunk: int | None = None,
+    row_tokens: int = 1024,
 ) -> config.TrainerConfig:
     grpo: dict[str, Any] = {
         "groupSize": GROUP_SIZE,
@@ -122,7 +123,7 @@ def make_config(
             "grpo": grpo,
             # Rows of at most 1024 tokens: a packed row's causal mask is quadratic in its length,
             # and 4096-token rows made training 2.6x slower and memory-bound.
-            "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": 1024},
+            "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": row_tokens},
             "rollout": {
                 "kind": "transformers",
                 "sharedEngines": 0,
@@ -353,14 +354,23 @@ def scaled_tokens(p: Probe, target_s: float) -> int:
     return max(MIN_TOKENS, min(MAX_TOKENS, round(p.tokens * target_s / max(slower, 1e-6))))
 
 
-def calibrate(work: Path, *, target_s: float, log: Any) -> tuple[int, int, list[Probe]]:
+def calibrate(
+    work: Path, *, target_s: float, log: Any, row_tokens: int = 1024
+) -> tuple[int, int, list[Probe]]:
     """(prompts, response cap, every probe): where generation ≈ training ≈ target_s."""
     probes: list[Probe] = []
 
     def probe(prompts: int, tokens: int) -> Probe:
         # Local mode (rank and engine in this one process, still one thread each) times generation
         # and training as the Ray runs do, within noise, without their 25 s of Ray start-up.
-        cfg = make_config(steps=3, response_tokens=tokens, prompts=prompts, max_staleness=0, launcher="local")
+        cfg = make_config(
+            steps=3,
+            response_tokens=tokens,
+            prompts=prompts,
+            max_staleness=0,
+            launcher="local",
+            row_tokens=row_tokens,
+        )
         rows = run(cfg, work, "calibrate")
         ph = phases(rows)
         out = Probe(prompts, tokens, ph.generation_s, ph.training_s)
@@ -466,6 +476,9 @@ def main() -> None:
         "--chunk", type=int, default=None, help="rollout.chunkPromptGroups of the asynchronous runs"
     )
     p.add_argument("--target-s", type=float, default=0.8, help="calibrate the slower phase to this, s")
+    p.add_argument(
+        "--row-tokens", type=int, default=1024, help="batching.maxTokensPerMicroBatch: a packed row's tokens"
+    )
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args()
     steps = args.steps or (8 if args.quick else 18)
@@ -474,10 +487,17 @@ def main() -> None:
         raise SystemExit("--staleness takes maxStaleness values >= 1, e.g. 1,2")
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        prompts, tokens, probes = calibrate(work, target_s=args.target_s, log=print)
+        prompts, tokens, probes = calibrate(
+            work, target_s=args.target_s, row_tokens=args.row_tokens, log=print
+        )
         print(f"calibration: {prompts} prompts x {GROUP_SIZE} at {tokens} response tokens")
         capacity = [parallel_capacity()]
-        common = {"steps": steps, "response_tokens": tokens, "prompts": prompts}
+        common = {
+            "steps": steps,
+            "response_tokens": tokens,
+            "prompts": prompts,
+            "row_tokens": args.row_tokens,
+        }
         sync_rows = run(make_config(**common, max_staleness=0), work, "sync")
         sync = phases(sync_rows)
         print(_describe("sync", sync))
