@@ -75,6 +75,9 @@ MAX_REST_FRACTION = 0.3
 MAX_IMBALANCE = 1.6
 MAX_STEP_CV = 0.25
 MIN_CAPACITY = 1.6
+# A packed row's tokens (`--row-tokens`): its causal mask is quadratic in its length, and 4096-token
+# rows made training 2.6x slower and memory-bound.
+ROW_TOKENS = 1024
 
 
 def make_config(
@@ -86,7 +89,7 @@ def make_config(
     launcher: str = "ray",
     partial: bool = False,
     chunk: int | None = None,
-    row_tokens: int = 1024,
+    row_tokens: int = ROW_TOKENS,
 ) -> config.TrainerConfig:
     grpo: dict[str, Any] = {
         "groupSize": GROUP_SIZE,
@@ -121,8 +124,6 @@ def make_config(
             },
             "lengths": {"maxPromptTokens": 8, "maxResponseTokens": response_tokens},
             "grpo": grpo,
-            # Rows of at most 1024 tokens: a packed row's causal mask is quadratic in its length,
-            # and 4096-token rows made training 2.6x slower and memory-bound.
             "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": row_tokens},
             "rollout": {
                 "kind": "transformers",
@@ -355,7 +356,7 @@ def scaled_tokens(p: Probe, target_s: float) -> int:
 
 
 def calibrate(
-    work: Path, *, target_s: float, log: Any, row_tokens: int = 1024
+    work: Path, *, target_s: float, log: Any, row_tokens: int = ROW_TOKENS
 ) -> tuple[int, int, list[Probe]]:
     """(prompts, response cap, every probe): where generation ≈ training ≈ target_s."""
     probes: list[Probe] = []
@@ -477,7 +478,10 @@ def main() -> None:
     )
     p.add_argument("--target-s", type=float, default=0.8, help="calibrate the slower phase to this, s")
     p.add_argument(
-        "--row-tokens", type=int, default=1024, help="batching.maxTokensPerMicroBatch: a packed row's tokens"
+        "--row-tokens",
+        type=int,
+        default=ROW_TOKENS,
+        help="batching.maxTokensPerMicroBatch: a packed row's tokens",
     )
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args()
