@@ -53,3 +53,48 @@ def test_a_telemetry_write_is_news_only_when_the_reports_change() -> None:
     assert state.reports_changed("ns/j", '[{"step": 1}]')
     assert not state.reports_changed("ns/j", '[{"step": 1}]')
     assert state.reports_changed("ns/j", '[{"step": 1}, {"step": 2}]')
+
+
+def _ctx(state: State, uid: str) -> Any:
+    from datetime import UTC, datetime
+
+    from rljob_operator import api, builders
+    from rljob_operator.reconcile.context import Ctx
+
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "j", "namespace": "ns", "uid": uid},
+    }
+    return Ctx(
+        state=state,
+        key="ns/j",
+        job=builders.JobRef("j", "ns", uid),
+        body=body,
+        raw_spec={},
+        generation=1,
+        old=api.RLJobStatus(),
+        old_raw={},
+        pods=[],
+        telemetry_index={},
+        nodes_index={},
+        logger=None,  # type: ignore[arg-type]
+        now=datetime.now(UTC),
+    )
+
+
+def test_an_rljob_recreated_under_the_same_name_posts_its_own_events_at_once() -> None:
+    """The Event rate limit (one per job and reason per interval) is per RLJob, not per name: the
+    earlier job's `PodsDeleted` must not silence the one the new job posts for the pods it deletes."""
+    from rljob_operator.reconcile.context import post
+
+    state = State(kube=None)  # type: ignore[arg-type]
+    first, again = _ctx(state, "uid-1"), _ctx(state, "uid-1")
+    post(first, "Normal", "PodsDeleted", "deleted j-rollout-0 (job finished)")
+    post(again, "Normal", "PodsDeleted", "deleted j-rollout-0 (again)")
+    assert [e["reason"] for e in first.events] == ["PodsDeleted"] and not again.events  # rate-limited
+    second = _ctx(state, "uid-2")
+    post(second, "Normal", "PodsDeleted", "deleted j-trainer-0 (left by an earlier RLJob of this name)")
+    assert [e["involvedObject"]["uid"] for e in second.events] == ["uid-2"]
+    state.forget("ns/j")
+    assert not state.events

@@ -112,9 +112,9 @@ def sync_reports(ctx: Ctx) -> list[telemetry.SyncReport]:
 
 def post(ctx: Ctx, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
     """Queue an Event on the RLJob (posted after the status write), at most one per (job, reason)
-    every EVENT_MIN_INTERVAL_S."""
+    every EVENT_MIN_INTERVAL_S (a job: this RLJob, not an earlier one of the same name)."""
     now_s = time.monotonic()
-    mark = (ctx.key, reason)
+    mark = (ctx.key, ctx.uid or "", reason)
     if not status.should_post(ctx.state.events.get(mark), now_s, EVENT_MIN_INTERVAL_S):
         return
     ctx.state.events[mark] = now_s

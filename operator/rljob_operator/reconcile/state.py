@@ -37,7 +37,9 @@ class State:
     kube: adapter.Kube
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     caches: dict[str, Cache] = dataclasses.field(default_factory=dict)
-    events: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    # (job key, RLJob uid, reason) -> monotonic s of the last Event posted: keyed by uid too, so an
+    # RLJob recreated under the same name is not silenced by the earlier one's Events
+    events: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
     phases: dict[str, str] = dataclasses.field(default_factory=dict)
     # job key -> monotonic s of its next reconcile; `due[key] = time.monotonic()`: reconcile ASAP
     due: resync.DueTimes = dataclasses.field(default_factory=resync.DueTimes)
@@ -156,4 +158,5 @@ class State:
         self.unwritten.pop(key, None)
         self.fallbacks_posted.pop(key, None)
         self.api_failures.pop(key, None)
+        self.events = {mark: at for mark, at in self.events.items() if mark[0] != key}
         metrics.set_phase_counts(self.phases)
