@@ -30,13 +30,14 @@ The pod is Running (pod IP 127.0.0.1) once started, and Succeeded or Failed with
 its main process ends (the container's termination-message file, mounted at its
 `terminationMessagePath`, becomes `state.terminated.message`; with `FallbackToLogsOnError` an empty
 file on failure gives the log's last 80 lines / 2048 bytes, as the kubelet does), after which
-nothing of it survives (as in a container). Deleting it SIGTERMs, then after the grace period (at
-most 10 s) SIGKILLs, every process of the pod: its session, which holds the daemons `ray start`
-spawns even after they rewrite their environ, plus anything carrying the pod's marker in its
-environment; then the deletion is confirmed. Output goes to `<cluster workdir>/pod-
-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU nodes run nothing, unless they
-are local-exec too (gpu-local, npu-local): then their pods run here with the trainer's CPU stand-in
-switch (`CPU_STANDIN_ENV`), and Ray sees the pod's accelerators.
+nothing of it survives (as in a container). Deleting it SIGTERMs its main process only, and only if
+that process handles SIGTERM (a container's PID 1 ignores a signal it has no handler for), then,
+once it exited or after the grace period (at most 10 s), SIGKILLs every process of the pod: its
+session, which holds the daemons `ray start` spawns even after they rewrite their environ, plus
+anything carrying the pod's marker in its environment; then the deletion is confirmed. Output goes
+to `<cluster workdir>/pod-logs/<namespace>_<pod>.log` (`LocalCluster.pod_log`). Fake GPU/NPU nodes
+run nothing, unless they are local-exec too (gpu-local, npu-local): then their pods run here with
+the trainer's CPU stand-in switch (`CPU_STANDIN_ENV`), and Ray sees the pod's accelerators.
 """
 
 from __future__ import annotations
@@ -252,16 +253,31 @@ def _signal_all(local: LocalPod, sig: int) -> None:
             os.kill(pid, sig)
 
 
+def catches_signal(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def kill_pod_processes(local: LocalPod, grace_s: float) -> None:
-    """SIGTERM every process of the pod, wait up to `grace_s`, then SIGKILL what is left."""
-    _signal_all(local, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not pod_pids(local.uid, _session(local)):
-            break
-        time.sleep(0.2)
-    else:
-        _signal_all(local, signal.SIGKILL)
+    """Stop a pod as a container runtime does: SIGTERM its main process only (the container's PID
+    1, which the kernel spares any signal it has no handler for: one without a handler ignores it),
+    wait up to `grace_s` for it to exit, then SIGKILL everything left (a PID namespace ends with its
+    init). So a main process that never handles SIGTERM takes the whole grace period, as on a node."""
+    main = local.process
+    if main is not None and main.poll() is None:
+        if catches_signal(main.pid, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(main.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            main.wait(timeout=grace_s)
+    _signal_all(local, signal.SIGKILL)
     if local.process is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             local.process.wait(timeout=5)

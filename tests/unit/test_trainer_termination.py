@@ -23,3 +23,23 @@ def test_out_of_memory_is_named_and_an_unwritable_path_is_not_fatal(tmp_path: Pa
     )
     env = {termination.ENV_TERMINATION_LOG: str(tmp_path / "missing-dir" / "log")}
     assert termination.record_fatal(ValueError("bad reward"), env) == "ValueError: bad reward"
+
+
+def test_the_entrypoint_exits_on_sigterm_as_a_containers_pid_1() -> None:
+    """PID 1 ignores a signal it has no handler for, so the driver must handle SIGTERM itself: a
+    deleted trainer pod 0 ends at once, not after its grace period."""
+    import signal
+    import subprocess
+    import sys
+
+    from testenv.local_exec import catches_signal
+
+    script = (
+        "import time; from rljob_trainer.__main__ import exit_on_sigterm; exit_on_sigterm(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    assert catches_signal(proc.pid, signal.SIGTERM)  # so a container runtime's SIGTERM reaches it
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM

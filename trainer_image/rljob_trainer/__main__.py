@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -85,6 +86,22 @@ def _ray_bin() -> str:
     return here if os.path.exists(here) else (shutil.which("ray") or "ray")
 
 
+def exit_on_sigterm() -> None:
+    """Exit at once on SIGTERM (the kubelet stopping the pod: deletion, restart, preemption).
+
+    The driver is its container's PID 1, and the kernel spares PID 1 every signal it has no handler
+    for: without this, a deleted trainer pod 0 ignores SIGTERM and holds its name (and its
+    accelerators) for the whole grace period until SIGKILL. Exiting at once loses nothing a SIGKILL
+    would keep: checkpoints are renamed into place whole, and the pod's Ray daemons end with it."""
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("SIGTERM: the pod is being stopped; exiting now (the last checkpoint stands)")
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], local_rollout_pods: int) -> None:
     import ray
 
@@ -122,6 +139,7 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["export"]:  # `python -m rljob_trainer export --checkpoint DIR --out DIR`
         from rljob_trainer import export
@@ -151,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if role == config_mod.ROLE_ROLLOUT or pod_index > 0:
         cmd = ray_worker_command(env, role, pod_index, _ray_bin())
         log.info("joining the Ray cluster: %s", " ".join(cmd))
-        os.execv(cmd[0], cmd)
+        os.execv(cmd[0], cmd)  # exec drops our handler; `ray start --block` installs its own
 
     cfg = config_mod.load_config(
         args.config or env.get(config_mod.ENV_CONFIG_PATH, config_mod.DEFAULT_CONFIG_PATH)
