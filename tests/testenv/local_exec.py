@@ -278,9 +278,9 @@ def kill_pod_processes(local: LocalPod, grace_s: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             main.wait(timeout=grace_s)
     _signal_all(local, signal.SIGKILL)
-    if local.process is not None:
+    if main is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            local.process.wait(timeout=5)
+            main.wait(timeout=5)
     deadline = time.monotonic() + 5
     while pod_pids(local.uid, _session(local)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from rljob_trainer import termination
+from testenv.local_exec import catches_signal
 
 
 def test_record_fatal_writes_one_line_the_kubelet_can_keep(tmp_path: Path) -> None:
@@ -28,12 +32,6 @@ def test_out_of_memory_is_named_and_an_unwritable_path_is_not_fatal(tmp_path: Pa
 def test_the_entrypoint_exits_on_sigterm_as_a_containers_pid_1() -> None:
     """PID 1 ignores a signal it has no handler for, so the driver must handle SIGTERM itself: a
     deleted trainer pod 0 ends at once, not after its grace period."""
-    import signal
-    import subprocess
-    import sys
-
-    from testenv.local_exec import catches_signal
-
     script = (
         "import time; from rljob_trainer.__main__ import exit_on_sigterm; exit_on_sigterm(); "
         "print('ready', flush=True); time.sleep(60)"
