@@ -173,8 +173,7 @@ class GRPODriver:
         # gpu_memory_utilization x the device at start, and refuses to start with less free), then
         # sleep; the ranks load model, optimizer and reference into what the sleep freed.
         shared = [f"shared-{i}" for i in range(self.cfg.rollout.shared_engines)]
-        for name in shared:
-            self._start_engine(name, colocated=True, pod_index=None)
+        self._start_engines({name: None for name in shared}, colocated=True)
         self.sleep_shared_engines()
         infos = self.rt.get([self.rt.submit(r, "setup", addr, port) for r in self.ranks])
         log.info("training ranks ready: %s", infos)
@@ -239,17 +238,19 @@ class GRPODriver:
             engine_lora=self.cfg.rollout.engine_lora,
         )
 
-    def _add_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
-        self._start_engine(name, colocated=colocated, pod_index=pod_index)
-        self._join_engine(name)
-
-    def _start_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> None:
-        """Create engine `name` and load it (vLLM reserves its memory here)."""
-        handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
-        self.engines[name] = pipeline.EngineState(name, handle, colocated, pod_index)
+    def _start_engines(self, pods: dict[str, int | None], *, colocated: bool) -> None:
+        """Create the engines `pods` names (engine name -> rollout pod index, None when colocated)
+        and load them all at once (vLLM reserves its memory here). Each sits on its own accelerators,
+        so none waits for another's minute of process start, imports and model load; one that fails
+        or hangs is dropped as lost, the others start."""
+        loads = {}
+        for name, pod_index in pods.items():
+            handle = self.rt.create_engine(name, colocated=colocated, pod_index=pod_index)
+            self.engines[name] = pipeline.EngineState(name, handle, colocated, pod_index)
+            loads[name] = self.rt.submit(handle, "load")
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
-        self._settle({name: self.rt.submit(handle, "load")}, what="load", timeout_s=start_timeout)
+        self._settle(loads, what="load", timeout_s=start_timeout)
 
     def _join_engine(self, name: str) -> None:
         """Open a started engine's weight channel and hand it to the dispatcher."""
@@ -358,20 +359,25 @@ class GRPODriver:
             log.info("engine %s draining (dedicated target %s)", name, target)
         self.release_drained()
         pods = {j for j, _ in have[:target]}
-        for j in self.rt.rollout_pods():
-            if len(pods) >= target:
-                break
-            name = f"dedicated-{j}"
-            if j in pods or name in self.engines:  # a draining engine's pod comes back once released
-                continue
+        # A draining engine's pod comes back once released.
+        free = [j for j in self.rt.rollout_pods() if j not in pods and f"dedicated-{j}" not in self.engines]
+        while len(pods) < target and free:
+            batch = {f"dedicated-{j}": j for j in free[: target - len(pods)]}
+            del free[: len(batch)]
+            self._start_engines(batch, colocated=False)
+            joined = []
+            for name in batch:
+                try:
+                    self._join_engine(name)
+                except EngineLost as e:
+                    log.warning("%s", e)
+                    continue
+                joined.append(name)
             try:
-                self._add_engine(name, colocated=False, pod_index=j)
-                self._update_engine_weights([name])
+                self._update_engine_weights(joined)
             except EngineLost as e:
                 log.warning("%s", e)
-                continue
-            if name in self.engines:
-                pods.add(j)
+            pods.update(batch[name] for name in joined if name in self.engines)
 
     def release_drained(self) -> None:
         for name, eng in list(self.engines.items()):
