@@ -7,6 +7,12 @@
 #   trainer_image/locks/test.txt    the test environment `make setup` installs (this machine's Python,
 #                                   3.11): seeded with cuda.txt's pins, so every package the two share
 #                                   (torch, transformers, peft, ray, ...) is the version the image ships
+#   trainer_image/locks/mlflow-server.txt
+#                                   the real `mlflow server` tests/integration/test_trackers.py starts,
+#                                   in its own .venv-mlflow/ (`make setup`): full mlflow at the version
+#                                   of the test lock's mlflow-skinny. Kept out of .venv because it
+#                                   brings scikit-learn, which transformers then imports in every
+#                                   process (about 1.1 s of CPU each, where the images have skinny only)
 # `make lock` regenerates them (pins already in a lock are kept unless pyproject.toml needs others;
 # `scripts/lock.sh --upgrade` takes the newest releases up to LOCK_DATE). `scripts/lock.sh --check`
 # (CI) regenerates into a temporary folder and fails when a committed lock differs: pyproject.toml
@@ -37,7 +43,7 @@ out=$LOCKS
 if [ "$mode" = check ]; then
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
-  cp "$LOCKS"/cuda.txt "$LOCKS"/ascend.txt "$LOCKS"/test.txt "$out"/
+  cp "$LOCKS"/cuda.txt "$LOCKS"/ascend.txt "$LOCKS"/test.txt "$LOCKS"/mlflow-server.txt "$out"/
 fi
 upgrade=()
 [ "$mode" = upgrade ] && upgrade=(--upgrade)
@@ -93,9 +99,18 @@ if other:
           ", ".join(f"{n} {test[n]} (image {cuda[n]})" for n in other), file=sys.stderr)
 EOF
 
+echo "==> $LOCKS/mlflow-server.txt (the tests' MLflow server, at the test lock's mlflow-skinny version)" >&2
+skinny=$(sed -n 's/^mlflow-skinny==\([^ \\]*\).*/\1/p' "$out/test.txt")
+if [ -z "$skinny" ]; then
+  echo "lock: $out/test.txt pins no mlflow-skinny (the tracking extra): no MLflow server version" >&2
+  exit 1
+fi
+echo "mlflow==$skinny" | compile "$out/mlflow-server.txt" --no-config - --python-version 3.11 \
+  --python-platform x86_64-manylinux_2_28
+
 if [ "$mode" = check ]; then
   stale=0
-  for f in cuda.txt ascend.txt test.txt; do
+  for f in cuda.txt ascend.txt test.txt mlflow-server.txt; do
     if ! diff -q "$LOCKS/$f" "$out/$f" >/dev/null; then
       echo "lock: $LOCKS/$f is stale (pyproject.toml or scripts/lock.sh changed): run make lock" >&2
       diff -u "$LOCKS/$f" "$out/$f" | grep -E '^[-+][A-Za-z]' | head -20 >&2 || true

@@ -2,11 +2,13 @@
 a non-finite one as NaN; a tracker that cannot start shows in the SyncReport the operator reads.
 
 Real packages: W&B writes its offline run file (read back here record by record: the file is a
-LevelDB-style log of W&B protobuf records); MLflow is the `mlflow server` of the dev extra's full
-`mlflow` package, started here on loopback with its SQL store (as the tests start the control
-plane), and the trainer talks to it over HTTP with the tracking extra's `mlflow-skinny`, the only
-kind of tracking URI the trainer accepts (`file:` stores are refused by MLflow 3, and skinny has no
-SQL store). Read back through MLflow's own client.
+LevelDB-style log of W&B protobuf records); MLflow is the `mlflow server` of the full `mlflow`
+package in `.venv-mlflow/` (`make setup`, trainer_image/locks/mlflow-server.txt: kept out of .venv,
+where its scikit-learn would be imported by transformers in every trainer process), started here on
+loopback with its SQL store (as the tests start the control plane), and the trainer talks to it
+over HTTP with the tracking extra's `mlflow-skinny`, the only kind of tracking URI the trainer
+accepts (`file:` stores are refused by MLflow 3, and skinny has no SQL store). Read back through
+MLflow's own client.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +29,9 @@ import pytest
 from trainer_configs import toy_config
 
 from rljob_trainer import driver
+
+REPO = Path(__file__).resolve().parents[2]
+MLFLOW_SERVER = REPO / ".venv-mlflow" / "bin" / "mlflow"
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -112,12 +116,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlflow server` on a free loopback port (SQL store in a temp dir); its URI."""
+    assert MLFLOW_SERVER.exists(), f"{MLFLOW_SERVER} is missing: make setup installs it"
     root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [
-            str(Path(sys.executable).parent / "mlflow"),
+            str(MLFLOW_SERVER),
             "server",
             "--host",
             "127.0.0.1",
