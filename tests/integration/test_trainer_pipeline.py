@@ -224,6 +224,27 @@ def test_a_hung_engine_is_dropped_after_the_timeout_and_no_prompt_is_lost(
 
 
 MAX_PARTIAL_STEPS = 16
+LONG_TRAIN_S = 4.0
+
+
+class _AlternatingTrainingHost(runtimes.Host):
+    """`Host` whose training rank takes `LONG_TRAIN_S` longer on every odd step (a slow accelerator's
+    step), so the pipeline's timing does not hang on this machine's load. During a long step the
+    engine generates all it may (up to maxStaleness steps ahead) and idles; the next step is short,
+    so its sync point comes while the engine generates the step after the next: a call that runs
+    ahead of the next step, which a sync interrupts. (With steps of one length the engine is either
+    idle at every sync or busy with the next step, which is never interrupted.)"""
+
+    def __init__(self, kind: str, cfg: Any, **kwargs: Any) -> None:
+        super().__init__(kind, cfg, **kwargs)
+        self._steps = 0
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "train_step":
+            self._steps += 1
+            if self._steps % 2 == 1:
+                time.sleep(LONG_TRAIN_S)
+        return super().call(method, *args, **kwargs)
 
 
 def _resumed_one(d: driver.GRPODriver, rows: list[dict[str, float]]) -> bool:
@@ -237,12 +258,12 @@ def _resumed_one(d: driver.GRPODriver, rows: list[dict[str, float]]) -> bool:
 def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_new_weights(
     ray_node: None,
 ) -> None:
-    """maxStaleness 2 with partial rollouts: training (6 epochs of 4 mini-batches) is slower than
-    generation (one prompt group per call), so the engine runs ahead into the step after the next
-    and is mid-call at the sync points; that call is interrupted (Ray's control group reaches the
-    actor while it generates), the weights go over the gloo group, and the unfinished requests go
-    on under the new weights. A resumed sample's tokens span versions: its staleness (the oldest
-    token's) is above its tokens' mean, and no token is beyond the bound."""
+    """maxStaleness 2 with partial rollouts: training alternates long and short steps
+    (`_AlternatingTrainingHost`), and the engine takes one prompt group per call, so at the sync
+    after a short step it is mid-call on the step after the next; that call is interrupted (Ray's
+    control group reaches the actor while it generates), the weights go over the gloo group, and the
+    unfinished requests go on under the new weights. A resumed sample's tokens span versions: its
+    staleness (the oldest token's) is above its tokens' mean, and no token is beyond the bound."""
     import ray
 
     cfg = toy_config(
@@ -253,8 +274,6 @@ def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_ne
             "maxStaleness": 2,
             "policyLoss": "clipped-tis",
             "tisCap": 2.0,
-            "ppoEpochs": 6,
-            "miniBatchesPerStep": 4,
         },
         rollout={
             "sharedEngines": 0,
@@ -265,12 +284,11 @@ def test_partial_rollouts_interrupt_the_engine_at_a_sync_and_resume_under_the_ne
         },
         distributed={"numTrainerRanks": 1, "launcher": "ray", "rankNumCpus": 0.25},
     )
-    d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg))
+    d = driver.GRPODriver(cfg, runtimes.RayRuntime(cfg, host_cls=_AlternatingTrainingHost))
     try:
         d.setup()
-        # Six steps at least; on a loaded machine generation can fall behind for a stretch (the
-        # engine then holds only the next step's requests at a sync, which are not interrupted), so
-        # up to MAX_PARTIAL_STEPS until a resumed sample has been trained on.
+        # Six steps at least, then on (up to MAX_PARTIAL_STEPS) until a resumed sample was trained on:
+        # on a loaded machine one generation can outlast a long step.
         rows: list[dict[str, float]] = []
         while len(rows) < 6 or (not _resumed_one(d, rows) and len(rows) < MAX_PARTIAL_STEPS):
             rows.append(d.step())
