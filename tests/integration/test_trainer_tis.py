@@ -117,3 +117,32 @@ def test_without_tis_the_same_samples_train_on_the_uncorrected_loss():
     stats = rank.train_step([mb])
     want, _ = _reference(samples, olds, tis=False)
     assert stats["pg_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_one_update_on_stale_rollouts_skips_the_forward_only_pass_and_steps_the_same():
+    """maxStaleness 1, one mini-batch, one epoch: the old log-probs are the training forward's own
+    (no forward-only pass, a third of the step's compute), and the update is the one the separate
+    pass gives: the same loss, IS weights and weights after the step."""
+    import torch
+
+    cfg = _cfg(policyLoss="clipped-tis", tisCap=CAP, maxStaleness=1)
+    fused, separate = _rank(cfg), _rank(cfg)
+    separate._fused_old_log_probs = lambda mini_batches: False  # type: ignore[method-assign]
+    samples, _ = _samples(cfg, fused)
+    mb = trainer.RankMiniBatch(tuple(samples), len(samples), sum(len(s.response_ids) for s in samples))
+    passes: list[bool] = []
+    forward_only = fused._forward_only
+
+    def counted(samples_, *, reference):
+        passes.append(reference)
+        return forward_only(samples_, reference=reference)
+
+    fused._forward_only = counted  # type: ignore[method-assign]
+    got, want = fused.train_step([mb]), separate.train_step([mb])
+    assert passes == []  # no old (nor, without KL, reference) forward-only pass
+    for key in ("pg_loss", "is_weight_sum", "is_weight_max", "is_truncated_tokens", "logprob_diff_sum"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert got["is_truncated_tokens"] > 0  # the samples are off-policy: TIS acts on them
+    after = dict(fused._parts()[0].named_parameters())
+    for name, param in separate._parts()[0].named_parameters():
+        torch.testing.assert_close(after[name], param, rtol=1e-5, atol=1e-6, msg=name)

@@ -392,10 +392,12 @@ class TrainingRank:
         return algos.uses_rollout_logprobs(self.cfg.grpo.policy_loss)
 
     def _fused_old_log_probs(self, mini_batches: Sequence[RankMiniBatch]) -> bool:
-        """One update per step on fresh rollouts: the old log-probs are the training forward's, detached
-        (the same weights, the same tokens), so the separate forward-only pass is skipped."""
-        g = self.cfg.grpo
-        return len(mini_batches) * g.ppo_epochs == 1 and g.max_staleness == 0
+        """One update per step: the old log-probs (the proximal policy, the weights the step starts
+        with) are the training forward's, detached (the same weights, the same tokens), so the
+        separate forward-only pass is skipped. Also with stale rollouts (maxStaleness >= 1): their
+        staleness is the behaviour policy's, which truncated IS takes from the engine's own log-probs
+        (`rollout_logprobs`), never from this pass."""
+        return len(mini_batches) * self.cfg.grpo.ppo_epochs == 1
 
     def train_step(self, mini_batches: Sequence[RankMiniBatch]) -> dict[str, Any]:
         """One GRPO step: old (and reference) log-probs of every mini-batch first, from the weights
