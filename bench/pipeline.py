@@ -18,9 +18,17 @@ knobs, so it balances on any machine:
 - the response cap sets the step's length: both phases grow with it, so it is scaled until the
   slower phase takes `--target-s` (default 0.8 s), far from the regime where Ray calls and weight
   syncs decide the ratio (the old calibration balanced at a 2-token cap: 0.1 s steps).
+Each probe times 4 steps (a step's generation lasts as long as its longest answer). The probes run
+in one process; when the synchronous run on Ray finds its phases more than 1.25x apart, its own
+phases are carried along the same power laws to a new batch and cap, and it runs again (at most
+twice).
 
 Then the synchronous run (maxStaleness 0) and the asynchronous runs (maxStaleness 1, or each value
-of `--staleness`, truncated IS; with `--partial` also each with partial rollouts) use that config.
+of `--staleness`, truncated IS; with `--partial` also each with partial rollouts) use that config:
+sync, the first asynchronous configuration, the others, the first again, sync again. The headline
+figures pool the two synchronous runs and the first configuration's two runs (both pairs centred on
+the same moment), so a machine that drifts over the minutes between runs cancels to first order
+instead of reading as a gain or loss.
 Steps/hour is over every step but the first and the last (sum of the driver's step times: waiting
 for rollouts, training, the weight sync and the step's bookkeeping): the first pays for start-up,
 and the last has nothing left to generate beside its training.
@@ -78,6 +86,13 @@ MIN_CAPACITY = 1.6
 # A packed row's tokens (`--row-tokens`): its causal mask is quadratic in its length, and 4096-token
 # rows made training 2.6x slower and memory-bound.
 ROW_TOKENS = 1024
+# Steps per calibration probe (all but the first and last timed): a step's generation lasts as long
+# as its longest answer, so one timed step (the old 3) put the phases up to 2x off the Ray run's.
+CALIBRATION_STEPS = 6
+# The synchronous run is calibrated again (at most this often) when its phases are further apart than
+# REBALANCE_AT: the probes run in one process, the runs on Ray.
+REBALANCE_RUNS = 2
+REBALANCE_AT = 1.25
 
 
 def make_config(
@@ -228,8 +243,9 @@ def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows[1:-1] if len(rows) > 2 else rows[1:]
 
 
-def phases(rows: list[dict[str, Any]]) -> Phases:
-    timed = timed_rows(rows)
+def phases(*runs: list[dict[str, Any]]) -> Phases:
+    """The timed steps of one run, or of several runs of one configuration pooled."""
+    timed = [r for rows in runs for r in timed_rows(rows)]
 
     def mean(key: str) -> float:
         return sum(float(r[key]) for r in timed) / len(timed)
@@ -273,11 +289,13 @@ class Figures:
 
 
 def figures(
-    label: str, sync: Phases, rows: list[dict[str, Any]], *, max_staleness: int, partial: bool
+    label: str, sync: Phases, runs: list[list[dict[str, Any]]], *, max_staleness: int, partial: bool
 ) -> Figures:
-    a = phases(rows)
+    """The asynchronous configuration's runs (pooled) against the synchronous run's phases."""
+    a = phases(*runs)
     ratio = a.steps_per_hour / sync.steps_per_hour
-    timed = timed_rows(rows)
+    rows = [r for run_rows in runs for r in run_rows]
+    timed = [r for run_rows in runs for r in timed_rows(run_rows)]
     return Figures(
         label,
         max_staleness,
@@ -355,17 +373,48 @@ def scaled_tokens(p: Probe, target_s: float) -> int:
     return max(MIN_TOKENS, min(MAX_TOKENS, round(p.tokens * target_s / max(slower, 1e-6))))
 
 
+@dataclass(frozen=True)
+class PowerLaws:
+    """How each phase grows with the batch (prompts^exponent), from two probes at one cap."""
+
+    generation: float
+    training: float
+
+    def carry(self, ref: Probe, prompts: int) -> Probe:
+        """`ref`'s phases carried to `prompts` along the power laws."""
+        scale = prompts / ref.prompts
+        generation = ref.generation_s * scale**self.generation
+        return Probe(prompts, ref.tokens, generation, ref.training_s * scale**self.training)
+
+    def balanced(self, ref: Probe) -> int:
+        """The batch where `ref`'s phases would meet (the cap changes their ratio too: answers stop at
+        EOS, so generation grows with the longest and training with the mean)."""
+        if self.training - self.generation < 0.05:
+            return ref.prompts  # the batch cannot move the balance here
+        gap = self.training - self.generation
+        estimate = ref.prompts * (ref.generation_s / ref.training_s) ** (1 / gap)
+        return max(MIN_PROMPTS, min(MAX_PROMPTS, round(estimate)))
+
+
+def rebalanced(sync: Phases, prompts: int, tokens: int, laws: PowerLaws, target_s: float) -> tuple[int, int]:
+    """The batch and cap where the synchronous (Ray) run's own phases would meet at `target_s`."""
+    ref = Probe(prompts, tokens, sync.generation_s, sync.training_s)
+    moved = laws.carry(ref, laws.balanced(ref))
+    return moved.prompts, scaled_tokens(moved, target_s)
+
+
 def calibrate(
     work: Path, *, target_s: float, log: Any, row_tokens: int = ROW_TOKENS
-) -> tuple[int, int, list[Probe]]:
-    """(prompts, response cap, every probe): where generation ≈ training ≈ target_s."""
+) -> tuple[int, int, list[Probe], PowerLaws]:
+    """(prompts, response cap, every probe, the phases' power laws in the batch): where
+    generation ≈ training ≈ target_s."""
     probes: list[Probe] = []
 
     def probe(prompts: int, tokens: int) -> Probe:
         # Local mode (rank and engine in this one process, still one thread each) times generation
         # and training as the Ray runs do, within noise, without their 25 s of Ray start-up.
         cfg = make_config(
-            steps=3,
+            steps=CALIBRATION_STEPS,
             response_tokens=tokens,
             prompts=prompts,
             max_staleness=0,
@@ -389,28 +438,14 @@ def calibrate(
     # Each phase's power law in the batch, from the two probes at one cap (generation flat, training
     # about linear): how the phases move when the batch changes at any cap.
     span = math.log(b.prompts / a.prompts)
-    gen_exp = math.log(b.generation_s / a.generation_s) / span
-    train_exp = math.log(b.training_s / a.training_s) / span
-
-    def at(prompts: int, ref: Probe) -> Probe:
-        """`ref`'s phases carried to `prompts` along the power laws."""
-        scale = prompts / ref.prompts
-        return Probe(
-            prompts, ref.tokens, ref.generation_s * scale**gen_exp, ref.training_s * scale**train_exp
-        )
-
-    def rebalance(ref: Probe) -> int:
-        """The batch where `ref`'s phases would meet (the cap changes their ratio too: answers stop at
-        EOS, so generation grows with the longest and training with the mean)."""
-        if train_exp - gen_exp < 0.05:
-            return ref.prompts  # the batch cannot move the balance here
-        estimate = ref.prompts * (ref.generation_s / ref.training_s) ** (1 / (train_exp - gen_exp))
-        return max(MIN_PROMPTS, min(MAX_PROMPTS, round(estimate)))
+    laws = PowerLaws(
+        math.log(b.generation_s / a.generation_s) / span, math.log(b.training_s / a.training_s) / span
+    )
 
     prompts = balanced_prompts(a, b)
     ref = a if imbalance(a) <= imbalance(b) else b
     for _ in range(3):
-        tokens = scaled_tokens(at(prompts, ref), target_s)
+        tokens = scaled_tokens(laws.carry(ref, prompts), target_s)
         if (prompts, tokens) in {(p.prompts, p.tokens) for p in probes}:
             break
         ref = probe(prompts, tokens)
@@ -419,13 +454,13 @@ def calibrate(
             and abs(max(ref.generation_s, ref.training_s) / target_s - 1) <= 0.25
         ):
             break
-        prompts = rebalance(ref)
+        prompts = laws.balanced(ref)
     # The probe nearest to balance and to the target, its cap scaled to the target (on a shared
     # machine the last probe can be the noisiest).
     best = min(
         probes, key=lambda p: imbalance(p) + 0.5 * abs(math.log(max(p.generation_s, p.training_s) / target_s))
     )
-    return best.prompts, scaled_tokens(best, target_s), probes
+    return best.prompts, scaled_tokens(best, target_s), probes, laws
 
 
 # ---- parallel capacity -----------------------------------------------------------------------------
@@ -441,7 +476,8 @@ print(time.perf_counter() - started)
 
 
 def parallel_capacity(rounds: int = 12000) -> float:
-    """Work done per second by two one-thread processes side by side over one alone (1.0 to 2.0)."""
+    """Work done per second by two one-thread processes side by side over one alone (1.0 to 2.0),
+    the median of three probes."""
 
     def spawn() -> subprocess.Popen[str]:
         code = CAPACITY_PROBE.replace("ROUNDS", str(rounds))
@@ -451,10 +487,15 @@ def parallel_capacity(rounds: int = 12000) -> float:
     def walls(procs: list[subprocess.Popen[str]]) -> list[float]:
         return [float(p.communicate()[0]) for p in procs]
 
-    (before,) = walls([spawn()])
-    together = walls([spawn(), spawn()])
-    (after,) = walls([spawn()])
-    return 2 * (before + after) / 2 / max(together)
+    def once() -> float:
+        (before,) = walls([spawn()])
+        together = walls([spawn(), spawn()])
+        (after,) = walls([spawn()])
+        return 2 * (before + after) / 2 / max(together)
+
+    # The median of three: one probe lasts a second or two, and a neighbour's burst on the host then
+    # refused a whole run whose own steps never saw it (1.21 before the sync run, 2.08 after).
+    return statistics.median(once() for _ in range(3))
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -491,30 +532,54 @@ def main() -> None:
         raise SystemExit("--staleness takes maxStaleness values >= 1, e.g. 1,2")
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        prompts, tokens, probes = calibrate(
+        prompts, tokens, probes, laws = calibrate(
             work, target_s=args.target_s, row_tokens=args.row_tokens, log=print
         )
         print(f"calibration: {prompts} prompts x {GROUP_SIZE} at {tokens} response tokens")
         capacity = [parallel_capacity()]
-        common = {
-            "steps": steps,
-            "response_tokens": tokens,
-            "prompts": prompts,
-            "row_tokens": args.row_tokens,
-        }
-        sync_rows = run(make_config(**common, max_staleness=0), work, "sync")
-        sync = phases(sync_rows)
-        print(_describe("sync", sync))
+        for attempt in range(REBALANCE_RUNS + 1):
+            common = {
+                "steps": steps,
+                "response_tokens": tokens,
+                "prompts": prompts,
+                "row_tokens": args.row_tokens,
+            }
+            sync_rows = run(make_config(**common, max_staleness=0), work, "sync")
+            sync = phases(sync_rows)
+            print(_describe("sync", sync))
+            g, t = sync.generation_s, sync.training_s
+            apart = max(g, t) / max(min(g, t), 1e-6)
+            if apart <= REBALANCE_AT or attempt == REBALANCE_RUNS:
+                break
+            moved = rebalanced(sync, prompts, tokens, laws, args.target_s)
+            if moved == (prompts, tokens):
+                break
+            prompts, tokens = moved
+            print(
+                f"calibration: the Ray run's phases are {apart:.2f}x apart: "
+                f"{prompts} prompts x {GROUP_SIZE} at {tokens} response tokens"
+            )
+        # Sync, the headline configuration, the others, the headline again, sync: both pairs sit
+        # around the same middle, so the machine's drift over the minutes between runs (a neighbour
+        # on the host) cancels to first order in the pooled means.
+        configs = [
+            (k, partial) for k in staleness for partial in ((False, True) if args.partial else (False,))
+        ]
+        runs: dict[tuple[int, bool], list[list[dict[str, Any]]]] = {c: [] for c in configs}
+        for k, partial in [*configs, configs[0]]:
+            cfg = make_config(**common, max_staleness=k, partial=partial, chunk=args.chunk)
+            runs[(k, partial)].append(run(cfg, work, f"async-{k}-{int(partial)}-{len(runs[(k, partial)])}"))
+        sync_runs = [sync_rows, run(make_config(**common, max_staleness=0), work, "sync-again")]
+        print(_describe("sync, again", phases(sync_runs[1])))
+        sync = phases(*sync_runs)
+        print(_describe("sync (both runs)", sync))
         results: list[Figures] = []
-        for k in staleness:
-            for partial in (False, True) if args.partial else (False,):
-                label = f"maxStaleness {k}" + (", partial rollouts" if partial else "")
-                cfg = make_config(**common, max_staleness=k, partial=partial, chunk=args.chunk)
-                rows = run(cfg, work, f"async-{k}-{int(partial)}")
-                fig = figures(label, sync, rows, max_staleness=k, partial=partial)
-                print(_describe(f"async ({label})", fig.async_phases))
-                print(contention(sync, fig.async_phases))
-                results.append(fig)
+        for k, partial in configs:
+            label = f"maxStaleness {k}" + (", partial rollouts" if partial else "")
+            fig = figures(label, sync, runs[(k, partial)], max_staleness=k, partial=partial)
+            print(_describe(f"async ({label}, {len(runs[(k, partial)])} runs)", fig.async_phases))
+            print(contention(sync, fig.async_phases))
+            results.append(fig)
         capacity.append(parallel_capacity())
     print(
         f"parallel capacity: {capacity[0]:.2f} before the sync run, {capacity[1]:.2f} after the last run "

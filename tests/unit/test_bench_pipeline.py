@@ -44,7 +44,7 @@ def test_ideal_and_efficiency_come_from_the_sync_runs_own_phases(bench: ModuleTy
     assert sync.rest_s == pytest.approx(0.1)
     assert sync.ideal == pytest.approx((1.0 + 0.8 + 0.1) / (1.0 + 0.1))
     async_rows = [{**r, "step_s": 1.25, "rollout/staleness_max": 1} for r in _rows(1.0, 0.8, 0.1)]
-    fig = bench.figures("maxStaleness 1", sync, async_rows, max_staleness=1, partial=False)
+    fig = bench.figures("maxStaleness 1", sync, [async_rows], max_staleness=1, partial=False)
     assert fig.ratio == pytest.approx(1.9 / 1.25)
     assert fig.efficiency == pytest.approx(fig.ratio / sync.ideal)
     line = f"pipeline: {fig.line()}"
@@ -52,6 +52,20 @@ def test_ideal_and_efficiency_come_from_the_sync_runs_own_phases(bench: ModuleTy
         f"pipeline: sync {3600 / 1.9:.0f} steps/h, async {3600 / 1.25:.0f} steps/h, ratio {1.9 / 1.25:.2f}, "
         f"ideal {sync.ideal:.2f}, efficiency {fig.efficiency:.2f}, staleness max 1"
     )
+
+
+def test_runs_in_sync_async_async_sync_order_cancel_a_machine_that_drifts(bench: ModuleType) -> None:
+    """The machine slows by 10 % a run: the sync run before and the one after the async pair pool
+    to the same mean as the pair, so the ratio is the pipeline's (2.0 here), not the drift's."""
+    slow = [1.0, 1.1, 1.2, 1.3]  # sync, async, async, sync
+    sync = bench.phases(_rows(1.0 * slow[0], 1.0 * slow[0], 0.0), _rows(1.0 * slow[3], 1.0 * slow[3], 0.0))
+    pair = [[{**r, "step_s": 1.0 * f} for r in _rows(1.0, 1.0, 0.0)] for f in slow[1:3]]
+    fig = bench.figures("maxStaleness 1", sync, pair, max_staleness=1, partial=False)
+    assert fig.ratio == pytest.approx(2.0)
+    one = bench.figures(
+        "maxStaleness 1", bench.phases(_rows(1.0, 1.0, 0.0)), pair[:1], max_staleness=1, partial=False
+    )
+    assert one.ratio == pytest.approx(2.0 / 1.1)  # one sync run before: the drift reads as a loss
 
 
 def test_the_first_and_the_last_step_are_not_timed(bench: ModuleType) -> None:
@@ -94,13 +108,27 @@ def test_the_calibration_balances_a_machine_whose_phases_grow_differently_with_t
         return _rows(gen, train, 0.02, n=3)
 
     monkeypatch.setattr(bench, "run", fake_run)
-    prompts, tokens, probes = bench.calibrate(tmp_path, target_s=0.8, log=lambda _: None)
+    prompts, tokens, probes, laws = bench.calibrate(tmp_path, target_s=0.8, log=lambda _: None)
     cfg = bench.make_config(steps=3, response_tokens=tokens, prompts=prompts, max_staleness=0)
     rows = fake_run(cfg, None, "")
     gen, train = rows[0]["generation_s"], rows[0]["training_s"]
     assert max(gen, train) / min(gen, train) < 1.25, (prompts, tokens, gen, train)
     assert 0.8 * 0.75 <= max(gen, train) <= 0.8 * 1.25
     assert len(probes) <= 5
+    assert laws.generation == pytest.approx(0.33, abs=0.01) and laws.training == pytest.approx(1.5, abs=0.01)
+
+
+def test_a_ray_run_whose_phases_are_apart_is_moved_along_the_power_laws(bench: ModuleType) -> None:
+    """The probes (one process) balanced at 18 prompts, but on Ray generation took 1.46 s and
+    training 0.78 s (measured 2026-12-06): the batch moves up, the cap down, toward 0.8 s each."""
+    laws = bench.PowerLaws(generation=0.33, training=1.5)
+    sync = bench.phases(_rows(1.46, 0.78, 0.02))
+    prompts, tokens = bench.rebalanced(sync, 18, 144, laws, 0.8)
+    moved = laws.carry(bench.Probe(18, 144, 1.46, 0.78), prompts)
+    assert prompts > 18 and tokens < 144
+    assert max(moved.generation_s, moved.training_s) / min(moved.generation_s, moved.training_s) < 1.1
+    balanced = bench.phases(_rows(0.8, 0.78, 0.02))  # already together: nothing moves
+    assert bench.rebalanced(balanced, 18, 80, laws, 0.8) == (18, 80)
 
 
 def test_contention_names_the_phases_slowdown_and_what_the_pipeline_hid(bench: ModuleType) -> None:
