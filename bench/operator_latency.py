@@ -19,7 +19,7 @@ def percentile(values: list[float], q: float) -> float:
 # ---- where create -> all pods goes (the operator's trace + the bench's watch) ----------------------
 BREAKDOWN_PARTS = (
     ("watch", "create returned -> the operator's watch showed the job"),
-    ("queue", "-> a reconcile taken for it (resync loop: a free slot of 16)"),
+    ("queue", "-> a reconcile taken for it (resync loop: a free slot, operator.maxConcurrentReconciles)"),
     ("lock", "-> it holds the job's lock"),
     ("earlier", "reconciles before the one that created the pods"),
     ("before-children", "the creating reconcile until its children are sent (plan, status reads)"),

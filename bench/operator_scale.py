@@ -160,6 +160,8 @@ class Side:
         env = {
             "RLJOB_RECONCILE_INTERVAL_S": str(op.get("reconcileIntervalSeconds", "")),
             "RLJOB_EVENT_INTERVAL_S": str(op.get("eventIntervalSeconds", "")),
+            "RLJOB_API_THREADS": str(op.get("apiThreads", "")),
+            "RLJOB_MAX_RECONCILES": str(op.get("maxConcurrentReconciles", "")),
         }
         return {k: v for k, v in env.items() if v}
 

@@ -270,6 +270,7 @@ def test_template_all_namespaces(cluster: Any) -> None:
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert {p["name"]: p["containerPort"] for p in ctr["ports"]} == {"healthz": 8080, "metrics": 9090}
     assert env_of(ctr)["RLJOB_METRICS_PORT"] == "9090"
+    assert env_of(ctr)["RLJOB_API_THREADS"] == "48" and env_of(ctr)["RLJOB_MAX_RECONCILES"] == "48"
     assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
     assert ctr["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
@@ -369,6 +370,8 @@ def test_template_values_for_an_ascend_pool(cluster: Any, tmp_path: Path) -> Non
         (["--set", "metrics.port=8080"], "metrics.port and livenessProbe.port must differ"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "replicaCount=0"], "replicaCount"),
+        (["--set", "operator.apiThreads=0"], "apiThreads"),
+        (["--set", "operator.maxConcurrentReconciles=0"], "maxConcurrentReconciles"),
     ],
 )
 def test_template_rejects_bad_values(cluster: Any, values: list[str], message: str) -> None:

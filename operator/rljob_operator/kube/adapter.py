@@ -17,6 +17,7 @@ import concurrent.futures
 import itertools
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -31,7 +32,10 @@ from rljob_operator import api, names
 from rljob_operator.builders import podgroup, workload
 from rljob_operator.kube import kubeclient, metrics
 
-API_THREADS = 16
+#: Threads of the API pool (`RLJOB_API_THREADS`, chart `operator.apiThreads`). At 500 RLJobs
+#: created at once (bench/operator_scale.py) 16 threads made each call wait 0.40 s for a thread, four
+#: times its own 0.12 s, and create -> all pods took p99 3.45 s; 48 cut the wait to 0.02 s (p99 1.74 s).
+API_THREADS = int(os.environ.get("RLJOB_API_THREADS", "48"))
 #: The API pool serves waiting calls in this order: what makes a job run (pod and child creates,
 #: deletes, reads) before status writes, and Events last (`PriorityPool`).
 PRIORITY_WORK, PRIORITY_STATUS, PRIORITY_EVENT = 0, 1, 2
