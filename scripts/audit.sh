@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Known vulnerabilities in what ships and what the tests run (`make audit`, CI): pip-audit over each
-# image lock (trainer_image/locks/cuda.txt, ascend.txt; every package pinned and hashed) and over the
-# test environment (.venv). --strict: a package pip-audit could not look up fails the audit, so an
+# image lock (trainer_image/locks/cuda.txt, ascend.txt; every package pinned and hashed), the tests'
+# MLflow server lock (mlflow-server.txt, .venv-mlflow) and the test environment (.venv).
+# --strict: a package pip-audit could not look up fails the audit, so an
 # unreachable vulnerability service can never read as "0 vulnerabilities".
 # Allowed findings: trainer_image/locks/audit-allow.txt, one `ID  reason it does not apply` a line.
 #
@@ -41,7 +42,7 @@ while read -r id _; do
 done < <(grep -v -E '^\s*(#|$)' "$LOCKS/audit-allow.txt" || true)
 
 rc=0
-for lock in "$LOCKS/cuda.txt" "$LOCKS/ascend.txt"; do
+for lock in "$LOCKS/cuda.txt" "$LOCKS/ascend.txt" "$LOCKS/mlflow-server.txt"; do
   echo "==> pip-audit $lock ($service)" >&2
   .venv/bin/pip-audit --strict --vulnerability-service "$service" --disable-pip --require-hashes \
     -r "$lock" ${ignores[@]+"${ignores[@]}"} || rc=1
