@@ -412,7 +412,8 @@ def calibrate(
 
     def probe(prompts: int, tokens: int) -> Probe:
         # Local mode (rank and engine in this one process, still one thread each) times generation
-        # and training as the Ray runs do, within noise, without their 25 s of Ray start-up.
+        # and training near what the Ray runs take, without their 25 s of Ray start-up; where the
+        # Ray run's phases still come out apart, `main` rebalances it from its own phases.
         cfg = make_config(
             steps=CALIBRATION_STEPS,
             response_tokens=tokens,
