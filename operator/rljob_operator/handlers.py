@@ -262,7 +262,8 @@ async def rljob_job_event(event: kopf.RawEvent, namespace: str, name: str, memo:
     if not isinstance(state, State):
         return
     if event["type"] == "DELETED":
-        state.forget(names.job_key(namespace, name))
+        uid = (event["object"].get("metadata") or {}).get("uid")
+        state.forget(names.job_key(namespace, name), uid=uid)
     else:
         state.observe_job(copy.deepcopy(dict(event["object"])))
 
@@ -329,7 +330,7 @@ async def rljob_node_event(
 
 # ---- the handlers --------------------------------------------------------------------------------
 @kopf.on.delete(*RLJOBS, optional=True)
-async def rljob_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def rljob_delete(name: str, namespace: str, uid: str | None, memo: kopf.Memo, **_: Any) -> None:
     """Children go through their owner references and the garbage collector; forget our caches.
 
     (With no finalizer kopf rarely sees a deletion in progress; the DELETED event and the resync
@@ -337,7 +338,7 @@ async def rljob_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> 
     finalizers: it removes the one older operator versions added.)"""
     state = memo.get("rljob")
     if isinstance(state, State):
-        state.forget(names.job_key(namespace, name))
+        state.forget(names.job_key(namespace, name), uid=uid)
 
 
 # ---- the resync loop (instead of a kopf timer, which would put a finalizer on every RLJob) -------

@@ -98,3 +98,35 @@ def test_an_rljob_recreated_under_the_same_name_posts_its_own_events_at_once() -
     assert [e["involvedObject"]["uid"] for e in second.events] == ["uid-2"]
     state.forget("ns/j")
     assert not state.events
+
+
+def _rljob(uid: str, resource_version: str) -> dict[str, Any]:
+    return {"metadata": {"name": "j", "namespace": "ns", "uid": uid, "resourceVersion": resource_version}}
+
+
+def test_an_rljob_recreated_under_the_same_name_is_not_forgotten_by_the_earlier_ones_deletion() -> None:
+    """kopf handles each object's events apart (streams keyed by uid): the new RLJob's ADDED can come
+    before the earlier one's DELETED. That DELETED must not forget the new job (its due reconcile,
+    its body), and nothing the earlier job kept (its reconcile cache: the children it applied) is
+    the new job's."""
+    state = State(kube=None)  # type: ignore[arg-type]
+    state.observe_job(_rljob("uid-1", "10"))
+    state.cache_for("ns/j", "uid-1").applied = "hash-of-the-same-spec"
+    state.created["ns/j"] = {"j-trainer-0": (0, 1.0)}
+    state.observe_job(_rljob("uid-2", "20"))  # recreated, seen before the deletion
+    assert state.latest["ns/j"]["metadata"]["uid"] == "uid-2"
+    assert "ns/j" not in state.created  # the earlier job's, forgotten
+    assert state.cache_for("ns/j", "uid-2").applied is None  # children checked again
+    state.forget("ns/j", uid="uid-1")  # the earlier job's DELETED, late
+    assert "ns/j" in state.jobs and "ns/j" in state.due and "ns/j" in state.latest
+    state.observe_job(_rljob("uid-1", "15"))  # a late event of the earlier job: dropped
+    assert state.latest["ns/j"]["metadata"]["uid"] == "uid-2"
+    state.forget("ns/j", uid="uid-2")
+    assert "ns/j" not in state.jobs and "ns/j" not in state.latest
+
+
+def test_a_cache_left_by_an_earlier_rljob_of_the_name_is_not_reused() -> None:
+    state = State(kube=None)  # type: ignore[arg-type]
+    state.cache_for("ns/j", "uid-1").applied = "h"
+    assert state.cache_for("ns/j", "uid-1").applied == "h"
+    assert state.cache_for("ns/j", "uid-2").applied is None

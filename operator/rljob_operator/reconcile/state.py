@@ -21,8 +21,10 @@ EMPTY_REPORTS = "[]"  # a telemetry ConfigMap as the operator creates it (no Syn
 
 @dataclasses.dataclass
 class Cache:
-    """What a reconcile may reuse: the plan per generation, the children applied per config."""
+    """What a reconcile may reuse: the plan per generation, the children applied per config. It
+    belongs to one RLJob (`uid`): a job recreated under the same name starts from none."""
 
+    uid: str | None = None
     generation: int | None = None
     model_config: dict[str, Any] | None = None
     plan: api.PlanStatus | None = None
@@ -79,9 +81,19 @@ class State:
     resync: asyncio.Task[None] | None = None
 
     def observe_job(self, body: dict[str, Any]) -> None:
-        """A watched RLJob: keep it when it is newer than what we know, and reconcile it soon."""
+        """A watched RLJob: keep it when it is newer than what we know, and reconcile it soon.
+
+        kopf handles each object's events apart (its streams are keyed by uid), so the events of an
+        RLJob deleted and one recreated under its name can come in either order: a newer RLJob of
+        another uid replaces all that was kept for the earlier one, and an older one's late event is
+        dropped."""
         meta = body.get("metadata") or {}
         key = names.job_key(meta.get("namespace", ""), meta.get("name", ""))
+        kept = self.latest.get(key)
+        if kept is not None and (kept.get("metadata") or {}).get("uid") != meta.get("uid"):
+            if not resync.is_newer(meta.get("resourceVersion"), kept["metadata"].get("resourceVersion")):
+                return  # the earlier RLJob's, after the new one
+            self.forget(key)
         if key not in self.jobs:
             trace.mark(key, "seen")
         self.jobs[key] = (meta.get("namespace", ""), meta.get("name", ""))
@@ -138,8 +150,20 @@ class State:
         self.reports[key] = reports
         return reports != before
 
-    def forget(self, key: str) -> None:
-        """A deleted job: drop everything kept for it."""
+    def cache_for(self, key: str, uid: str | None) -> Cache:
+        """The reconcile cache of RLJob `uid` under `key`; one an earlier RLJob of the name left is
+        dropped (its children applied are not this job's: they must be checked again)."""
+        cache = self.caches.get(key)
+        if cache is None or cache.uid != uid:
+            cache = self.caches[key] = Cache(uid=uid)
+        return cache
+
+    def forget(self, key: str, uid: str | None = None) -> None:
+        """A deleted job: drop everything kept for it. With `uid` (a DELETED event's), only while the
+        job kept under `key` is that RLJob: a newer one of the same name may already be observed."""
+        kept = (self.latest.get(key, {}).get("metadata") or {}).get("uid")
+        if uid is not None and kept is not None and kept != uid:
+            return
         self.caches.pop(key, None)
         self.locks.pop(key, None)
         self.phases.pop(key, None)

@@ -62,7 +62,7 @@ from rljob_operator.reconcile.queue_steps import (
     step_gang,
     step_preemption,
 )
-from rljob_operator.reconcile.state import Cache, State
+from rljob_operator.reconcile.state import State
 from rljob_trainer import telemetry
 
 
@@ -224,7 +224,7 @@ async def _step_finished(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
 
 async def _step_plan(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
     """Parse the spec, read the model config, plan, lay out the pods (cached per generation)."""
-    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    cache = ctx.state.cache_for(ctx.key, ctx.uid)
     if cache.generation == ctx.generation and cache.error is not None:
         raise cache.error  # a spec error waits for a new generation: no API call until then
     try:
@@ -631,7 +631,7 @@ def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.Plan
 
 
 async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
-    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    cache = ctx.state.cache_for(ctx.key, ctx.uid)
     if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
         return cache.plan, cache.model_config
     model_config = await _model_config(ctx, spec)
@@ -642,7 +642,7 @@ async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str
 
 
 async def _apply_children(ctx: Ctx, objects: builders.JobObjects) -> None:
-    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    cache = ctx.state.cache_for(ctx.key, ctx.uid)
     if cache.applied == objects.config_hash:
         return
     children = [dict(obj) for obj in objects.children]  # the telemetry ConfigMap: the driver owns its data
@@ -689,7 +689,7 @@ def _leftovers_message(ctx: Ctx, foreign: Sequence[tuple[dict[str, Any], str]]) 
 
 def _refit(ctx: Ctx, spec: api.RLJobSpec, reports: list[telemetry.SyncReport]) -> planning.JobRefit | None:
     """The plan refitted from the reports, recomputed only when a new report arrived (cached)."""
-    cache = ctx.state.caches.setdefault(ctx.key, Cache())
+    cache = ctx.state.cache_for(ctx.key, ctx.uid)
     if not reports or cache.model_config is None:
         return None
     key = (ctx.generation, reports[-1].step, reports[-1].time)
