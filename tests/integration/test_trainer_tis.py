@@ -146,3 +146,22 @@ def test_one_update_on_stale_rollouts_skips_the_forward_only_pass_and_steps_the_
     after = dict(fused._parts()[0].named_parameters())
     for name, param in separate._parts()[0].named_parameters():
         torch.testing.assert_close(after[name], param, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_with_lora_dropout_stale_rollouts_keep_the_eval_mode_old_log_probs():
+    """LoRA dropout > 0 and maxStaleness 1: the training forward carries dropout, which the IS weight
+    old / engine must not, so the old log-probs still come from the eval-mode pass; without
+    staleness (no IS weight from it) or without dropout one forward serves both."""
+    from types import SimpleNamespace
+
+    def fused(dropout: float, staleness: int, epochs: int = 1) -> bool:
+        cfg = toy_config(
+            model={"finetune": "lora", "lora": {"rank": 4, "alpha": 8, "dropout": dropout}},
+            grpo={"maxStaleness": staleness, "ppoEpochs": epochs, "policyLoss": "clipped-tis"},
+        )
+        one = [trainer.RankMiniBatch((), 0, 0)]
+        return trainer.TrainingRank._fused_old_log_probs(SimpleNamespace(cfg=cfg), one)  # type: ignore[arg-type]
+
+    assert not fused(0.1, 1)
+    assert fused(0.1, 0) and fused(0.0, 1) and fused(0.0, 0)
+    assert not fused(0.0, 1, epochs=2)

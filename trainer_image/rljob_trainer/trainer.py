@@ -396,8 +396,14 @@ class TrainingRank:
         with) are the training forward's, detached (the same weights, the same tokens), so the
         separate forward-only pass is skipped. Also with stale rollouts (maxStaleness >= 1): their
         staleness is the behaviour policy's, which truncated IS takes from the engine's own log-probs
-        (`rollout_logprobs`), never from this pass."""
-        return len(mini_batches) * self.cfg.grpo.ppo_epochs == 1
+        (`rollout_logprobs`), never from this pass. Except with LoRA dropout there: the IS weight
+        old / engine would then carry the training forward's dropout, so the old log-probs come from
+        the eval-mode pass as before."""
+        if len(mini_batches) * self.cfg.grpo.ppo_epochs != 1:
+            return False
+        model = self.cfg.model
+        dropout = model.finetune == "lora" and model.lora.dropout > 0
+        return self.cfg.grpo.max_staleness == 0 or not dropout
 
     def train_step(self, mini_batches: Sequence[RankMiniBatch]) -> dict[str, Any]:
         """One GRPO step: old (and reference) log-probs of every mini-batch first, from the weights
