@@ -7,7 +7,8 @@ telemetry ConfigMap or Kueue Workloads, or on a node its pods use, marks the job
 (`state.due[key]`); a reconcile that waits for time (a backoff, a terminating pod, a TTL, a missing
 object) asks for its own retry; every job is also reconciled every RLJOB_RECONCILE_INTERVAL_S as a
 safety net, with jitter. A pod or telemetry event counts only when it changes what a reconcile
-reads (`State.pod_changed`, `State.reports_changed`); a due job waits for a free slot, jobs with
+reads (`State.pod_changed`, `State.reports_changed`; a scheduler's refusal reworded counts within
+REFUSAL_REFRESH_S); a due job waits for a free slot, jobs with
 pods to create first (`resync.pick`). An idle reconcile makes no API call: the RLJob comes from the watch (or
 our own write's response, whichever is newer), the status is written only if it changed, and
 Events only on transitions. What a reconcile does, step by step, is in `steps` (and the Kueue,
@@ -52,6 +53,11 @@ METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 # Pods and telemetry come in bursts (a gang's pods bound and started together): one reconcile,
 # and one status write instead of one per pod. RLJob changes are not delayed.
 EVENT_COALESCE_S = 0.25
+# A pod the scheduler refuses again in new words (its node counts move with every retry, "0/1002
+# nodes are available: 40 Insufficient nvidia.com/gpu, ...") refreshes the job's Ready message
+# within this, not at once: at 500 jobs waiting for nodes each retry was a status write (12 of the
+# 15 per job), its watch echo, and one more reconcile. A new refusal, or any other change, is at once.
+REFUSAL_REFRESH_S = 30.0
 RESYNC_SCAN_PAUSE_S = 0.005
 RESYNC_MAX_SLEEP_S = 1.0  # the loop also looks for due jobs at least this often
 RESYNC_SWEEP_S = 5.0  # how often it forgets jobs gone from the index
@@ -289,8 +295,11 @@ async def rljob_pod_event(
     # The watch shows a pod this operator created: forget the create (`steps._step_pods`), and
     # its ADDED, a pod just as it was created, is no news to the reconcile that created it.
     ours = state.seen_created(key, name, view)
-    if (state.pod_changed(key, name, view) and not ours) or gone:
+    change = state.pod_changed(key, name, view)
+    if (change == "changed" and not ours) or gone:
         state.touch(namespace, labels[names.LABEL_JOB], EVENT_COALESCE_S)
+    elif change == "reworded":
+        state.touch(namespace, labels[names.LABEL_JOB], REFUSAL_REFRESH_S)
 
 
 @kopf.on.event("configmaps", labels=TELEMETRY_LABELS)

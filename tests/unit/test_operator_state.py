@@ -18,12 +18,26 @@ def _pod(**changes: Any) -> lifecycle.PodObservation:
 
 def test_only_a_pod_event_that_changes_what_a_reconcile_reads_counts() -> None:
     state = State(kube=None)  # type: ignore[arg-type]  # no API call here
-    assert state.pod_changed("ns/j", "j-trainer-0", _pod())  # a new pod
-    assert not state.pod_changed("ns/j", "j-trainer-0", _pod())  # e.g. only the pod IP changed
-    assert not state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1"))  # bound, nothing else
-    assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1", phase="Running"))
-    assert state.pod_changed("ns/j", "j-trainer-0", None)  # deleted
-    assert not state.pod_changed("ns/j", "j-trainer-0", None)
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod()) == "changed"  # a new pod
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod()) == "none"  # e.g. only the pod IP changed
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1")) == "none"  # bound, nothing else
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1", phase="Running")) == "changed"
+    assert state.pod_changed("ns/j", "j-trainer-0", None) == "changed"  # deleted
+    assert state.pod_changed("ns/j", "j-trainer-0", None) == "none"
+
+
+def test_a_refusal_in_new_words_is_told_apart_from_a_new_refusal_and_from_any_other_change() -> None:
+    state = State(kube=None)  # type: ignore[arg-type]
+    first = "0/82 nodes are available: 54 node(s) had untolerated taint(s), 28 Insufficient nvidia.com/gpu."
+    again = "0/82 nodes are available: 20 node(s) had untolerated taint(s), 62 Insufficient nvidia.com/gpu."
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod()) == "changed"
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(unschedulable=first)) == "changed"  # refused
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(unschedulable=again)) == "reworded"
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(unschedulable=again)) == "none"
+    # reworded, and something else changed with it: a change
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(unschedulable=first, deleting=True)) == "changed"
+    # no longer refused (bound): a change
+    assert state.pod_changed("ns/j", "j-trainer-0", _pod(node_name="n1", deleting=True)) == "changed"
 
 
 def test_forgetting_a_job_forgets_its_pod_views_and_creates() -> None:
@@ -130,3 +144,42 @@ def test_a_cache_left_by_an_earlier_rljob_of_the_name_is_not_reused() -> None:
     state.cache_for("ns/j", "uid-1").applied = "h"
     assert state.cache_for("ns/j", "uid-1").applied == "h"
     assert state.cache_for("ns/j", "uid-2").applied is None
+
+
+def test_a_pod_refused_again_in_new_words_reconciles_its_job_within_the_refresh_not_at_once() -> None:
+    import asyncio
+    import time
+
+    from rljob_operator import handlers, names
+
+    state = State(kube=None)  # type: ignore[arg-type]
+    state.jobs["ns/j"] = ("ns", "j")
+    labels = {names.LABEL_JOB: "j", names.LABEL_ROLE: "trainer", names.LABEL_MANAGED_BY: names.MANAGED_BY}
+
+    def refused(message: str) -> dict[str, Any]:
+        condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+        return {
+            "metadata": {"name": "j-trainer-0", "namespace": "ns", "labels": labels},
+            "status": {"phase": "Pending", "conditions": [condition]},
+        }
+
+    def due_in_s(body: dict[str, Any]) -> float:
+        state.due.pop("ns/j", None)
+        asyncio.run(
+            handlers.rljob_pod_event(
+                event={"type": "MODIFIED", "object": body},
+                body=body,
+                name="j-trainer-0",
+                namespace="ns",
+                labels=labels,
+                memo={"rljob": state},
+            )
+        )
+        return state.due["ns/j"] - time.monotonic()
+
+    first = due_in_s(refused("0/82 nodes are available: 54 untolerated taint(s)."))
+    assert first <= handlers.EVENT_COALESCE_S
+    reworded = due_in_s(refused("0/82 nodes are available: 20 untolerated taint(s)."))
+    assert handlers.EVENT_COALESCE_S < reworded <= handlers.REFUSAL_REFRESH_S
+    bound = {**refused(""), "status": {"phase": "Pending"}, "spec": {"nodeName": "n1"}}
+    assert due_in_s(bound) <= handlers.EVENT_COALESCE_S  # no longer refused: at once

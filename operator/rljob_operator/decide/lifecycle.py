@@ -53,6 +53,31 @@ class PodObservation:
     uid: str | None = None  # the pod's own uid: a delete names it (preconditions), never a namesake
 
 
+PodChange = Literal["none", "reworded", "changed"]
+
+
+def pod_change(before: PodObservation | None, after: PodObservation | None) -> PodChange:
+    """What a pod event tells a reconcile (`None`: no pod, never seen or gone).
+
+    - none: nothing it acts on, e.g. the binding alone (a pod's node matters only when the node
+      goes, and the node's own event reconciles the jobs with pods on it);
+    - reworded: the scheduler refuses the pod as before, in new words (its node counts move with
+      every retry);
+    - changed: anything else, a pod created, refused for the first time, bound or deleted included.
+    """
+    if before is None or after is None:
+        return "none" if before == after else "changed"
+    unbound_before, unbound_after = (dataclasses.replace(p, node_name=None) for p in (before, after))
+    if unbound_before == unbound_after:
+        return "none"
+    refused = bool(before.unschedulable and after.unschedulable)
+    if refused and dataclasses.replace(unbound_before, unschedulable="") == dataclasses.replace(
+        unbound_after, unschedulable=""
+    ):
+        return "reworded"
+    return "changed"
+
+
 def _unix(stamp: Any) -> float | None:
     """A Kubernetes timestamp (RFC 3339, `Z`) as unix seconds; None when absent or unreadable."""
     if not isinstance(stamp, str) or not stamp:

@@ -116,17 +116,14 @@ class State:
         if key in self.jobs:
             self.due.soon(key, time.monotonic() + delay_s)
 
-    def pod_changed(self, key: str, name: str, view: lifecycle.PodObservation | None) -> bool:
-        """A pod event of job `key`: whether it changed what a reconcile acts on (`view` None: the
-        pod is gone). Not its binding alone: a pod's node matters only when the node goes, and
-        the node's own event reconciles the jobs with pods on it."""
+    def pod_changed(self, key: str, name: str, view: lifecycle.PodObservation | None) -> lifecycle.PodChange:
+        """A pod event of job `key`: what it changed of what a reconcile acts on
+        (`lifecycle.pod_change`; `view` None: the pod is gone)."""
         views = self.pod_views.setdefault(key, {})
         before = views.pop(name, None) if view is None else views.get(name)
         if view is not None:
             views[name] = view
-        if view is not None and before is not None:
-            return dataclasses.replace(view, node_name=None) != dataclasses.replace(before, node_name=None)
-        return view != before
+        return lifecycle.pod_change(before, view)
 
     def seen_created(self, key: str, name: str, view: lifecycle.PodObservation | None) -> bool:
         """The watch shows pod `name` of job `key`: forget that this operator created it, and say
