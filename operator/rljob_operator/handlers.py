@@ -128,10 +128,18 @@ async def rljob_startup(
 
 
 class _NoDiffBase(kopf.DiffBaseStorage):
-    """A diff-base kopf never writes: no handler of ours compares an RLJob with its last version."""
+    """A diff-base kopf never writes: no handler of ours compares an RLJob with its last version.
+
+    Nor builds: kopf builds the essence of every watched object's every event (two deep copies of
+    the whole body, status and managedFields included) to diff it for change handlers, and ours
+    are watch-event handlers and an optional delete, which read no diff. At 500 new jobs the
+    copies were 15 % of the operator's CPU."""
 
     def fetch(self, *, body: kopf.Body) -> None:
         return None
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
         return None
