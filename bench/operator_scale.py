@@ -105,6 +105,13 @@ CHILD_RESOURCES = {
 _METRIC_RE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NODE_GRACE_S = 900
+# A node registers with the not-ready taint, and the node lifecycle controller lifts it through its
+# client's rate limit: at the default 20 requests/s, 1000 new nodes took ~215 s, and jobs created
+# meanwhile were refused by the scheduler ~8 times a pod (each refusal a pod status write and an
+# Event on the two cores the operator shares). At 200/s they are schedulable in ~20 s, and the
+# jobs are created only then: a cluster whose nodes joined minutes before, not together with them.
+CONTROLLER_QPS = 200
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 GC_DISCOVERY_S = 35
 
 TINY_CONFIG = {
@@ -335,6 +342,25 @@ class Watcher:
         self._loop(list_jobs, on_job, ready)
 
 
+def bench_cluster() -> LocalCluster:
+    return LocalCluster.create(node_monitor_grace_period_s=NODE_GRACE_S, controller_api_qps=CONTROLLER_QPS)
+
+
+def wait_schedulable(cluster: LocalCluster, count: int, timeout_s: float = 600) -> None:
+    """Until `count` nodes are registered and none carries the not-ready taint."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api_client())
+
+    def schedulable() -> bool:
+        nodes = core.list_node().items
+        tainted = [n for n in nodes if any(t.key == NOT_READY_TAINT for t in n.spec.taints or [])]
+        return len(nodes) >= count and not tainted
+
+    if not wait_until(f"{count} nodes without the {NOT_READY_TAINT} taint", schedulable, timeout_s):
+        raise RuntimeError(f"the nodes kept the {NOT_READY_TAINT} taint for {timeout_s:.0f} s")
+
+
 def wait_until(
     what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen[bytes] | None = None
 ) -> bool:
@@ -379,7 +405,7 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
     # The fake nodes' heartbeats are one thread's Lease renewals, a round of M every 10 s: on a
     # loaded machine a round of 1000 can outlast the default grace, and nodes tainted unreachable
     # would leave jobs unscheduled. The bench measures the operator, not the fake kubelet.
-    with LocalCluster.create(node_monitor_grace_period_s=NODE_GRACE_S) as cluster:
+    with bench_cluster() as cluster:
         cluster.apply_crds(side.crd, timeout_s=120)
         crd_at = time.monotonic()
         cluster.create_namespace(NAMESPACE)
@@ -404,8 +430,10 @@ def run_side(side: Side, args: argparse.Namespace) -> Result:
         t = time.monotonic()
         # Two more for the warm-up job, so that all N jobs fit on the M nodes.
         cluster.add_nodes(args.nodes + 2, name_prefix="bench", labels={"pool": "bench"})
+        wait_schedulable(cluster, args.nodes + 2)
         print(
-            f"[{side.label}] registered {args.nodes} fake 8-GPU nodes in {time.monotonic() - t:.1f}s",
+            f"[{side.label}] registered {args.nodes} fake 8-GPU nodes, schedulable after "
+            f"{time.monotonic() - t:.1f}s",
             flush=True,
         )
 
@@ -584,10 +612,11 @@ def run_idle_side(side: Side, args: argparse.Namespace, foreign: int) -> IdleRes
     from kubernetes import client
 
     result = IdleResult(side.label, foreign)
-    with LocalCluster.create(node_monitor_grace_period_s=NODE_GRACE_S) as cluster:
+    with bench_cluster() as cluster:
         cluster.apply_crds(side.crd, timeout_s=120)
         cluster.create_namespace(NAMESPACE)
         cluster.add_nodes(2 * args.jobs, name_prefix="bench", labels={"pool": "bench"})  # 2 pods a job
+        wait_schedulable(cluster, 2 * args.jobs)
         made_s = create_foreign_pods(cluster, foreign)
         print(f"[{side.label}, {foreign} foreign pods] created them in {made_s:.1f}s", flush=True)
         t0 = time.monotonic()
