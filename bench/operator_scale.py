@@ -3,8 +3,9 @@ Helm chart's own settings.
 
 For each side (this tree; this tree with Kueue admission; `--baseline REF`, another commit's
 operator) it starts a fresh local control plane (`tests/testenv`), registers M fake 8-GPU nodes,
-runs the operator the way the chart's Deployment does (`rljob operator --namespace NS
---leader-election-namespace NS`, with the chart's `values.yaml` environment:
+waits until none of them carries the not-ready taint (the controller-manager lifts it; the bench
+gives it 200 requests/s), runs the operator the way the chart's Deployment does (`rljob operator
+--namespace NS --leader-election-namespace NS`, with the chart's `values.yaml` environment:
 RLJOB_RECONCILE_INTERVAL_S, RLJOB_EVENT_INTERVAL_S), creates N RLJobs (each one 8-GPU trainer pod
 and one 8-GPU rollout pod) as fast as one client can, and measures:
 
