@@ -54,10 +54,11 @@ METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))
 # Pods and telemetry come in bursts (a gang's pods bound and started together): one reconcile,
 # and one status write instead of one per pod. RLJob changes are not delayed.
 EVENT_COALESCE_S = 0.25
-# A pod the scheduler refuses again in new words (its node counts move with every retry, "0/1002
-# nodes are available: 40 Insufficient nvidia.com/gpu, ...") refreshes the job's Ready message
-# within this, not at once: at 500 jobs waiting for nodes each retry was a status write (12 of the
-# 15 per job), its watch echo, and one more reconcile. A new refusal, or any other change, is at once.
+# A pod the scheduler still refuses, with a new message (its node counts move with every retry,
+# "0/1002 nodes are available: 40 Insufficient nvidia.com/gpu, ...", or a new cause), refreshes the
+# job's Ready message within this, not at once: at 500 jobs waiting for nodes each retry was a
+# status write (12 of the 15 per job), its watch echo, and one more reconcile. A first refusal, or
+# any other change, is at once.
 REFUSAL_REFRESH_S = 30.0
 RESYNC_SCAN_PAUSE_S = 0.005
 RESYNC_MAX_SLEEP_S = 1.0  # the loop also looks for due jobs at least this often
