@@ -7,9 +7,9 @@ telemetry ConfigMap or Kueue Workloads, or on a node its pods use, marks the job
 (`state.due[key]`); a reconcile that waits for time (a backoff, a terminating pod, a TTL, a missing
 object) asks for its own retry; every job is also reconciled every RLJOB_RECONCILE_INTERVAL_S as a
 safety net, with jitter. A pod or telemetry event counts only when it changes what a reconcile
-reads (`State.pod_changed`, `State.reports_changed`; a scheduler's refusal reworded counts within
-REFUSAL_REFRESH_S); a due job waits for a free slot, jobs with
-pods to create first (`resync.pick`). An idle reconcile makes no API call: the RLJob comes from the watch (or
+reads (`State.pod_changed`, `State.reports_changed`; a pod still refused with a new message counts
+within REFUSAL_REFRESH_S); a due job waits for a free slot, jobs with pods to create first
+(`resync.pick`). An idle reconcile makes no API call: the RLJob comes from the watch (or
 our own write's response, whichever is newer), the status is written only if it changed, and
 Events only on transitions. What a reconcile does, step by step, is in `steps` (and the Kueue,
 preemption and gang steps in `queue_steps`).

@@ -61,21 +61,18 @@ def pod_change(before: PodObservation | None, after: PodObservation | None) -> P
 
     - none: nothing it acts on, e.g. the binding alone (a pod's node matters only when the node
       goes, and the node's own event reconciles the jobs with pods on it);
-    - reworded: the scheduler refuses the pod as before, in new words (its node counts move with
-      every retry);
+    - reworded: the scheduler still refuses the pod, with a new message (its node counts move with
+      every retry, or the cause changed), and nothing else changed;
     - changed: anything else, a pod created, refused for the first time, bound or deleted included.
     """
     if before is None or after is None:
         return "none" if before == after else "changed"
-    unbound_before, unbound_after = (dataclasses.replace(p, node_name=None) for p in (before, after))
-    if unbound_before == unbound_after:
+    if dataclasses.replace(after, node_name=before.node_name) == before:
         return "none"
-    refused = bool(before.unschedulable and after.unschedulable)
-    if refused and dataclasses.replace(unbound_before, unschedulable="") == dataclasses.replace(
-        unbound_after, unschedulable=""
-    ):
-        return "reworded"
-    return "changed"
+    if not (before.unschedulable and after.unschedulable):
+        return "changed"
+    words_alone = dataclasses.replace(after, node_name=before.node_name, unschedulable=before.unschedulable)
+    return "reworded" if words_alone == before else "changed"
 
 
 def _unix(stamp: Any) -> float | None:
