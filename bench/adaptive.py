@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from rljob_operator.decide import policy
-from rljob_trainer import telemetry, telemetry_sink
+from rljob_trainer.outputs import telemetry, telemetry_sink
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rljob_trainer import dp_balance, microbatch
+from rljob_trainer import dp_balance
 from rljob_trainer.dp_balance import CostModel, MicroBatchSpec
+from rljob_trainer.train import microbatch
 
 # Qwen3-4B-like geometry: the default cost model's shape for a realistic trainer.
 COST = CostModel.from_hidden_size(2560, intermediate_size=9728)
@@ -158,7 +159,7 @@ def _e2e_worker(rank: int, port: int, out_dir: str, repeats: int) -> None:
     import torch.distributed as dist
     import transformers
 
-    from rljob_trainer import algos, packing
+    from rljob_trainer.train import algos, packing
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

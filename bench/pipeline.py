@@ -73,7 +73,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "trainer_image"))
 
-from rljob_trainer import config, modeling  # noqa: E402
+from rljob_trainer import config  # noqa: E402
+from rljob_trainer.model import modeling  # noqa: E402
 
 GROUP_SIZE = 4
 MIN_PROMPTS, MAX_PROMPTS = 1, 32

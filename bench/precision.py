@@ -2,7 +2,7 @@
 save, measured side by side in one run.
 
 Role: the CPU path trains in the job's dtype (bf16 by default) with fp32 master weights
-(`rljob_trainer.precision`), as a GPU run does; on a CPU bf16 matmuls are not faster than fp32 and the
+(`rljob_trainer.model.precision`), as a GPU run does; on a CPU bf16 matmuls are not faster than fp32 and the
 mixed-precision bookkeeping (casting the masters into the compute copy, fp32 gradient accumulation)
 is extra work. This measures, on the tiny job (`examples/tiny-cpu.yaml` rendered by the operator's
 builders, one rank in local mode, one torch thread), and on a larger model (4 layers of width 256,
@@ -33,8 +33,10 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer_image")]
 
 from rljob_operator import api, builders  # noqa: E402
 from rljob_operator.decide import planning  # noqa: E402
-from rljob_trainer import config, modeling, trainer  # noqa: E402
+from rljob_trainer import config  # noqa: E402
 from rljob_trainer.engines import base, build_engine  # noqa: E402
+from rljob_trainer.model import modeling  # noqa: E402
+from rljob_trainer.train import trainer  # noqa: E402
 
 
 def tiny_config(dtype: str, *, larger: bool) -> config.TrainerConfig:

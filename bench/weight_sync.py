@@ -1,6 +1,6 @@
 """Weight-sync benchmark: Ray's object store vs a gloo collective, side by side on CPU.
 
-Role: measures what `rljob_trainer.rollout.weight_sync` buys over the old path. The bench process plays
+Role: measures what `rljob_trainer.weights.weight_sync` buys over the old path. The bench process plays
 trainer rank 0 and holds a Qwen2-layout model of at least 100M parameters built from a config
 (random weights, nothing downloaded); one real Ray actor plays a rollout engine holding the same
 architecture with another random init. Per sync, alternating the two paths in one run:
@@ -38,7 +38,7 @@ import ray
 import torch
 import transformers
 
-from rljob_trainer.rollout import weight_sync
+from rljob_trainer.weights import weight_sync
 
 MIB = 1024 * 1024
 

@@ -47,7 +47,7 @@ from rljob_operator.kube import adapter, metrics, resync
 from rljob_operator.reconcile.guards import api_backoff_s
 from rljob_operator.reconcile.state import State
 from rljob_operator.reconcile.steps import RETRY_WAITING_S, reconcile_job
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 RECONCILE_INTERVAL_S = float(os.environ.get("RLJOB_RECONCILE_INTERVAL_S", "300"))
 METRICS_PORT = int(os.environ.get("RLJOB_METRICS_PORT", "8080"))

@@ -1,7 +1,7 @@
 """vllm-ascend 0.23.0.post1, checked statically: it has no wheel and its sdist builds only against the
 CANN toolkit, so it is not installed here. scripts/test_vllm.sh extracts the sdist the Ascend lock
 hash-pins under .venv-vllm-ascend/src/, and this reads its Python source (ast) for every class, method,
-field and registry entry rljob's static sender (`rollout.vllm_transfer`, platform "ascend") uses.
+field and registry entry rljob's static sender (`weights.vllm_transfer`, platform "ascend") uses.
 Runs in the ascend tier only."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ast
 import pytest
 from conftest import ROOT, TIER
 
-from rljob_trainer.rollout import vllm_transfer
+from rljob_trainer.weights import vllm_transfer
 
 SRC = ROOT / ".venv-vllm-ascend" / "src" / "vllm_ascend"
 pytestmark = pytest.mark.skipif(TIER != "ascend", reason="the Ascend tier reads vllm-ascend's source")

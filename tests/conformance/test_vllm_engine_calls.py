@@ -13,8 +13,8 @@ from spy import SignatureSpy
 from trainer_configs import toy_config
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import modeling
 from rljob_trainer.engines import base, vllm_engine
+from rljob_trainer.model import modeling
 
 
 def _cfg(**rollout: Any) -> config_mod.TrainerConfig:
@@ -251,7 +251,7 @@ def test_lora_adapters_are_added_listed_and_removed_with_vllms_lora_request(spy:
 
     cfg = _lora_cfg()
     engine = _engine(cfg, spy, colocated=True)
-    from rljob_trainer import lora_adapter
+    from rljob_trainer.model import lora_adapter
 
     engine._adapters = lora_adapter.AdapterStore(engine.name)
     peft_model = modeling.apply_finetune_mode(modeling.build_base_model(cfg.model, init_seed=0), cfg.model)
@@ -277,7 +277,7 @@ def test_only_the_paths_whose_payload_vllm_cannot_msgpack_allow_pickle(monkeypat
     import torch
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from rljob_trainer.rollout import weight_sync as ws
+    from rljob_trainer.weights import weight_sync as ws
 
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     MsgpackEncoder().encode({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]})

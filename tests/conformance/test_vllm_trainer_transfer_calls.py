@@ -1,4 +1,4 @@
-"""The trainer side of vLLM's weight transfer (`rollout.vllm_transfer`) against the installed vLLM:
+"""The trainer side of vLLM's weight transfer (`weights.vllm_transfer`) against the installed vLLM:
 the generation rljob detects, the init/update infos built with vLLM's own dataclasses from the values
 rljob passes, the client checked against vLLM's `VLLMWeightSyncClient` protocol, and the weight source
 run through vLLM's own sender code where that needs no GPU. See conftest.py."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 from trainer_configs import toy_config
 
-from rljob_trainer import modeling
 from rljob_trainer.engines import vllm_engine
-from rljob_trainer.rollout import vllm_transfer, weight_sync
+from rljob_trainer.model import modeling
+from rljob_trainer.weights import vllm_transfer, weight_sync
 
 
 @pytest.fixture(scope="module")

@@ -84,9 +84,10 @@ def tiny_flagship(kind: str, pool: str, claim: str) -> dict[str, Any]:
 def data_volume(cluster: Any, namespace: str, folder: Path) -> str:
     """A hostPath PV holding `gsm8k/train.parquet` (GSM8K-style fields, toy sums), pre-bound to a PVC."""
     datasets = pytest.importorskip("datasets")
-    from rljob_trainer import config, data
+    from rljob_trainer import config
+    from rljob_trainer.data import sources
 
-    rows = data.load_examples(config.DataSettings(builtin="toy-arithmetic"))
+    rows = sources.load_examples(config.DataSettings(builtin="toy-arithmetic"))
     (folder / "gsm8k").mkdir(parents=True)
     datasets.Dataset.from_dict(
         {"question": [r.prompt for r in rows], "answer": [r.answer for r in rows]}
@@ -239,7 +240,7 @@ def test_flagship_shape_trains_on_local_accelerator_pool(
             assert {(a["pod"], tuple(a["accelerators"][ray_name])) for a in shared} <= rank_slots
 
             # 4. Step time and reward curve, for the report.
-            from rljob_trainer import telemetry
+            from rljob_trainer.outputs import telemetry
 
             cm = cluster.get_json("configmap", f"{job}-telemetry", namespace=namespace)
             reports = telemetry.parse_reports(cm["data"][telemetry.REPORTS_KEY])

@@ -69,7 +69,7 @@ class Recorder(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from rljob_trainer import telemetry
+        from rljob_trainer.outputs import telemetry
 
         while not self.stop.is_set():
             obj = self.cluster.get_json("rljob", self.job, namespace=self.namespace) or {}

@@ -311,7 +311,7 @@ def test_tiny_cpu_job_trains_to_succeeded_on_local_pods(
             printed = cluster.kubectl("get", "rljobs", "-n", namespace).stdout
             assert "Succeeded" in printed and f" {E2E_MAX_STEPS} " in printed, printed
 
-            from rljob_trainer import telemetry
+            from rljob_trainer.outputs import telemetry
 
             cm = cluster.get_json("configmap", f"{job}-telemetry", namespace=namespace)
             reports = telemetry.parse_reports(cm["data"][telemetry.REPORTS_KEY])

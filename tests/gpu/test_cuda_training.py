@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from rljob_trainer import config, modeling, trainer
+from rljob_trainer import config
 from rljob_trainer.engines import base, build_engine
+from rljob_trainer.model import modeling
+from rljob_trainer.train import trainer
 
 
 def _cfg(finetune: str) -> config.TrainerConfig:

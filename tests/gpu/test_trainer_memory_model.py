@@ -68,7 +68,8 @@ def test_mixed_precision_full_fine_tuning_peak_matches_the_estimate(monkeypatch:
     full fine-tuning model (16 bytes/parameter of fp32 state + bf16 compute copies + activations)."""
     import os
 
-    from rljob_trainer import config, trainer
+    from rljob_trainer import config
+    from rljob_trainer.train import trainer
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     text = _text_config(presets.load_preset("Qwen/Qwen3-4B"))

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-from rljob_trainer import packing  # noqa: E402
+from rljob_trainer.train import packing  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

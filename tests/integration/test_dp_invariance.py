@@ -16,7 +16,8 @@ import torch
 import torch.multiprocessing as mp
 from trainer_configs import toy_config
 
-from rljob_trainer import driver, trainer
+from rljob_trainer import driver
+from rljob_trainer.train import trainer
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

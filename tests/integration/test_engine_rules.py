@@ -20,8 +20,9 @@ import pytest
 import torch
 from trainer_configs import toy_config
 
-from rljob_trainer import driver, modeling, runtimes
+from rljob_trainer import driver, runtimes
 from rljob_trainer.engines import base, build_engine
+from rljob_trainer.model import modeling
 
 pytestmark = [pytest.mark.torch]
 

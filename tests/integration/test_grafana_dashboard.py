@@ -17,7 +17,8 @@ import pytest
 from trainer_configs import toy_config
 
 from rljob_operator.kube import metrics
-from rljob_trainer import driver, telemetry_sink
+from rljob_trainer import driver
+from rljob_trainer.outputs import telemetry_sink
 
 pytestmark = [pytest.mark.torch]
 

@@ -34,7 +34,7 @@ os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
 
 from test_operator import apply, condition, job_status, operator
 
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 from testenv import kueue as kueue_env
 from testenv.waiting import wait_for
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import algos, driver, modeling, runtimes, trainer
+from rljob_trainer import driver, runtimes
 from rljob_trainer.engines import base, build_engine
+from rljob_trainer.model import modeling
+from rljob_trainer.train import algos, trainer
 
 pytestmark = [pytest.mark.torch]
 

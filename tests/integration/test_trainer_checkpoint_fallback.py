@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import checkpoint, driver
+from rljob_trainer import driver
+from rljob_trainer.outputs import checkpoint
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

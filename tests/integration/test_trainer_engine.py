@@ -6,8 +6,9 @@ import pytest
 import torch
 from trainer_configs import toy_config
 
-from rljob_trainer import modeling, trainer
 from rljob_trainer.engines import base, build_engine
+from rljob_trainer.model import modeling
+from rljob_trainer.train import trainer
 
 pytestmark = [pytest.mark.torch]
 

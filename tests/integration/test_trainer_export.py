@@ -19,7 +19,9 @@ import pytest
 import torch
 from trainer_configs import toy_config
 
-from rljob_trainer import config, driver, export, modeling
+from rljob_trainer import config, driver
+from rljob_trainer.model import modeling
+from rljob_trainer.outputs import export
 
 pytestmark = [pytest.mark.torch]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import checkpoint, config
+from rljob_trainer import config
+from rljob_trainer.outputs import checkpoint
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

@@ -19,9 +19,10 @@ from trainer_configs import toy_config
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from rljob_trainer import config, driver, modeling  # noqa: E402
+from rljob_trainer import config, driver  # noqa: E402
 from rljob_trainer.engines import base, transformers_engine  # noqa: E402
-from rljob_trainer.rollout import weight_sync  # noqa: E402
+from rljob_trainer.model import modeling  # noqa: E402
+from rljob_trainer.weights import weight_sync  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 

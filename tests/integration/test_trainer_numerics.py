@@ -11,7 +11,8 @@ import pytest
 import torch
 from trainer_configs import toy_config
 
-from rljob_trainer import driver, runtimes, train_metrics, trainer
+from rljob_trainer import driver, runtimes
+from rljob_trainer.train import train_metrics, trainer
 
 pytestmark = [pytest.mark.torch]
 

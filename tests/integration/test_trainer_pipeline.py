@@ -22,8 +22,10 @@ from typing import Any, ClassVar
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import driver, runtimes, telemetry_sink, trainer
+from rljob_trainer import driver, runtimes
 from rljob_trainer.engines import base
+from rljob_trainer.outputs import telemetry_sink
+from rljob_trainer.train import trainer
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.ray]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import checkpoint, driver, telemetry_sink
+from rljob_trainer import driver
+from rljob_trainer.outputs import checkpoint, telemetry_sink
 
 pytestmark = [pytest.mark.torch]
 

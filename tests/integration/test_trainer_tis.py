@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 from trainer_configs import toy_config
 
-from rljob_trainer import algos, modeling, trainer
 from rljob_trainer.engines import base, build_engine
+from rljob_trainer.model import modeling
+from rljob_trainer.train import algos, trainer
 
 pytestmark = [pytest.mark.torch]
 

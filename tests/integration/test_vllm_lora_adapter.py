@@ -21,8 +21,10 @@ from trainer_configs import toy_config
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from rljob_trainer import config, driver, lora_adapter, modeling  # noqa: E402
-from rljob_trainer.rollout import pipeline, weight_sync  # noqa: E402
+from rljob_trainer import config, driver  # noqa: E402
+from rljob_trainer.model import lora_adapter, modeling  # noqa: E402
+from rljob_trainer.rollout import pipeline  # noqa: E402
+from rljob_trainer.weights import weight_sync  # noqa: E402
 
 pytestmark = [pytest.mark.torch]
 

@@ -1,4 +1,4 @@
-"""Integration tests for rljob_trainer.rollout.weight_sync: real processes, real gloo groups over TCP.
+"""Integration tests for rljob_trainer.weights.weight_sync: real processes, real gloo groups over TCP.
 
 The trainer side runs in the test process (as trainer rank 0 would); each engine worker is its own
 process (`weight_sync_engine.py`) holding a transformers model with a different random init, so
@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rljob_trainer.rollout import weight_sync  # noqa: E402
+from rljob_trainer.weights import weight_sync  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 

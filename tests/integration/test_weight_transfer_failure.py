@@ -18,7 +18,7 @@ import pytest
 from trainer_configs import toy_config
 
 from rljob_trainer import driver, runtimes
-from rljob_trainer.rollout import weight_sync
+from rljob_trainer.weights import weight_sync
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.ray]
 

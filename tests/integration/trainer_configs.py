@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob_trainer import config, modeling
+from rljob_trainer import config
+from rljob_trainer.model import modeling
 
 
 def toy_config(**over: Any) -> config.TrainerConfig:

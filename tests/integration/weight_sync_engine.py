@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from rljob_trainer.rollout import weight_sync
+from rljob_trainer.weights import weight_sync
 
 
 def build_model(seed: int, lora: bool) -> torch.nn.Module:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import weight_sync_engine  # next to this file; the test puts this folder on PYTHONPATH
 from torch.distributed.fsdp import fully_shard
 
-from rljob_trainer.rollout import weight_sync
+from rljob_trainer.weights import weight_sync
 
 
 def main() -> None:

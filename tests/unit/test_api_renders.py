@@ -209,7 +209,7 @@ def test_every_loss_normalization_the_api_names_has_a_trainer_loss() -> None:
 
 
 def test_tiny_vocab_must_hold_the_builtin_tokenizer() -> None:
-    modeling = pytest.importorskip("rljob_trainer.modeling")
+    modeling = pytest.importorskip("rljob_trainer.model.modeling")
     for name, size in api.TINY_TOKENIZER_VOCAB.items():
         assert size == len(modeling.build_char_tokenizer(modeling.CHARSETS[name])), name
     raw = {

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rljob_operator import api, builders, errors, names
 from rljob_operator.builders import configmaps, pods
 from rljob_trainer import config as tc
-from rljob_trainer import termination
+from rljob_trainer.outputs import termination
 
 JOB = builders.JobRef("demo", "team-a")
 

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 
 from rljob_operator.cli import commands, console
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 NOW = datetime(2026, 12, 1, 8, 0, 0, tzinfo=timezone.utc)
 

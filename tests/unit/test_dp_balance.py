@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_trainer import dp_balance, microbatch
+from rljob_trainer import dp_balance
 from rljob_trainer.dp_balance import CostModel, MicroBatchSpec, plan_dp_balance
+from rljob_trainer.train import microbatch
 
 COST = CostModel(per_token=100.0, per_token_squared=1.0, per_micro_batch=500.0)
 SPECS = [

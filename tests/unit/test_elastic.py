@@ -8,7 +8,7 @@ from typing import Any
 
 from rljob_operator import api, names
 from rljob_operator.decide import elastic, lifecycle
-from rljob_trainer.telemetry import SyncReport
+from rljob_trainer.outputs.telemetry import SyncReport
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 

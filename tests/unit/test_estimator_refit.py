@@ -16,7 +16,7 @@ import pytest
 from rljob_operator import estimator as est
 from rljob_operator.decide import policy
 from rljob_operator.estimator import planner, refit
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 SYNC_OVERHEAD_S = 1.0
 

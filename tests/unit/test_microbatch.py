@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.microbatch: the planner the trainer executes and dp_balance simulates."""
+"""Unit tests for rljob_trainer.train.microbatch: the planner the trainer executes, dp_balance simulates."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rljob_trainer import microbatch
-from rljob_trainer.microbatch import MicroBatchSpec
+from rljob_trainer.train import microbatch
+from rljob_trainer.train.microbatch import MicroBatchSpec
 
 PACKED_FIXED = MicroBatchSpec(packed=True, dynamic=False, micro_batch_size=3)
 PADDED_FIXED = MicroBatchSpec(packed=False, dynamic=False, micro_batch_size=3)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rljob_operator.decide import policy
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 INTERVAL_S = 100.0
 

@@ -14,7 +14,7 @@ from rljob_operator import api, builders, names
 from rljob_operator.decide import admission, preemption
 from rljob_operator.decide.lifecycle import PodObservation
 from rljob_operator.reconcile import status
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 RESERVED = {"QuotaReserved": ("True", "QuotaReserved"), "Admitted": ("True", "Admitted")}

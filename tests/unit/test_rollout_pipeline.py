@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob_trainer import config, data, modeling
+from rljob_trainer import config
+from rljob_trainer.data import sources
 from rljob_trainer.engines import base
+from rljob_trainer.model import modeling
 from rljob_trainer.rollout import dispatcher, pipeline
 
 CAP = 6
@@ -137,11 +139,11 @@ def _pipeline(cfg: config.TrainerConfig) -> tuple[pipeline.RolloutPipeline, Engi
         dispatch,
         engines,
         Owner(),
-        examples=data.load_examples(cfg.data),
+        examples=sources.load_examples(cfg.data),
         encode_prompt=lambda text: [1, 2, 3],
         clock=lambda: 0.0,
     )
-    pipe.start_at(data.SamplerState(), 1)
+    pipe.start_at(sources.SamplerState(), 1)
     pipe.fill()
     return pipe, engine, rt
 

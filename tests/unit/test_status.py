@@ -15,7 +15,7 @@ from test_builders import make_spec, static_plan
 from rljob_operator import api, builders, errors
 from rljob_operator.decide import lifecycle
 from rljob_operator.reconcile import status
-from rljob_trainer.telemetry import SyncReport
+from rljob_trainer.outputs.telemetry import SyncReport
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 T1 = T0 + timedelta(seconds=30)

@@ -8,7 +8,7 @@ from test_builders import make_spec, static_plan
 
 from rljob_operator import api
 from rljob_operator.reconcile import status
-from rljob_trainer.telemetry import SyncReport
+from rljob_trainer.outputs.telemetry import SyncReport
 
 NOW = datetime(2026, 12, 1, tzinfo=timezone.utc)
 SPEC = make_spec()

@@ -1,4 +1,4 @@
-"""Tracker selection and the per-step scalars (`rljob_trainer.tracking`); no backend needed."""
+"""Tracker selection and the per-step scalars (`rljob_trainer.outputs.tracking`); no backend needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from rljob_trainer import config, telemetry, tracking
+from rljob_trainer import config
+from rljob_trainer.outputs import telemetry, tracking
 
 
 def _report() -> telemetry.SyncReport:

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.algos: vectorised functions agree with their slow references."""
+"""Unit tests for rljob_trainer.train.algos: vectorised functions agree with their slow references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_trainer import algos
+from rljob_trainer.train import algos
 
 pytestmark = pytest.mark.torch
 

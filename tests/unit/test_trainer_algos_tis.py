@@ -1,4 +1,4 @@
-"""Unit tests for the off-policy correction in rljob_trainer.algos: truncated importance sampling
+"""Unit tests for the off-policy correction in rljob_trainer.train.algos: truncated importance sampling
 (`clipped-tis`) and the off-policy metrics agree with their slow references and behave as the
 decoupled-PPO form says."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_trainer import algos
+from rljob_trainer.train import algos
 
 pytestmark = pytest.mark.torch
 

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.checkpoint: safetensors + JSON on disk, a sha256 per file verified on
+"""Unit tests for rljob_trainer.outputs.checkpoint: safetensors + JSON on disk, a sha256 per file verified on
 load, nothing unpickled, and resume falling back past a corrupt or partial newest checkpoint."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rljob_trainer import checkpoint  # noqa: E402
+from rljob_trainer.outputs import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

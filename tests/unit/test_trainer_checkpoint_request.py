@@ -3,8 +3,8 @@ from the RLJob, deciding whether to checkpoint now, and the SyncReport's acknowl
 
 from __future__ import annotations
 
-from rljob_trainer import telemetry, telemetry_sink
-from rljob_trainer.telemetry_sink import CheckpointRequest
+from rljob_trainer.outputs import telemetry, telemetry_sink
+from rljob_trainer.outputs.telemetry_sink import CheckpointRequest
 
 
 def test_parse_targets_reads_the_checkpoint_request_beside_the_engine_counts() -> None:

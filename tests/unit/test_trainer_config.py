@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.config and rljob_trainer.telemetry (pure, no torch)."""
+"""Unit tests for rljob_trainer.config and rljob_trainer.outputs.telemetry (pure, no torch)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from rljob_trainer import config, telemetry
+from rljob_trainer import config
+from rljob_trainer.outputs import telemetry
 
 TINY = {"model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 64}
 
@@ -83,7 +84,7 @@ def test_env_names_match_contract():
 
 def test_config_and_telemetry_import_without_torch():
     code = (
-        "import sys; import rljob_trainer.config, rljob_trainer.telemetry; "
+        "import sys; import rljob_trainer.config, rljob_trainer.outputs.telemetry; "
         "bad = [m for m in ('torch', 'ray', 'kubernetes', 'kopf', 'transformers') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )

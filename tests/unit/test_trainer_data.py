@@ -1,39 +1,40 @@
-"""Unit tests for rljob_trainer.data (datasets shipped with the package, resumable sampler)."""
+"""Unit tests for rljob_trainer.data.sources (datasets shipped with the package, resumable sampler)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rljob_trainer import config, data, rewards
+from rljob_trainer import config
+from rljob_trainer.data import rewards, sources
 
 
 def test_builtin_datasets_load_and_are_verifiable():
-    assert {"toy-arithmetic", "gsm8k-sample"} <= set(data.builtin_datasets())
-    toy = data.load_examples(config.DataSettings(builtin="toy-arithmetic"))
-    assert len(toy) == 55 and toy[0] == data.Example("0+0=", "0")
+    assert {"toy-arithmetic", "gsm8k-sample"} <= set(sources.builtin_datasets())
+    toy = sources.load_examples(config.DataSettings(builtin="toy-arithmetic"))
+    assert len(toy) == 55 and toy[0] == sources.Example("0+0=", "0")
     for ex in toy:
         a, b = ex.prompt.rstrip("=").split("+")
         assert int(a) + int(b) == int(ex.answer) <= 9
-    gsm = data.load_examples(config.DataSettings(builtin="gsm8k-sample"))
+    gsm = sources.load_examples(config.DataSettings(builtin="gsm8k-sample"))
     for ex in gsm:  # the reference solution is scored correct by our own reward
         assert rewards.math_accuracy(ex.prompt, ex.answer, ex.answer) == 1.0
     with pytest.raises(ValueError, match="toy-arithmetic"):
-        data.load_examples(config.DataSettings(builtin="nope"))
+        sources.load_examples(config.DataSettings(builtin="nope"))
 
 
 def test_jsonl_path_with_custom_fields(tmp_path):
     p = tmp_path / "d.jsonl"
     pytest.importorskip("datasets")
     p.write_text('{"q": "1+1=", "a": "2"}\n{"q": "2+2=", "a": "4"}\n')
-    ex = data.load_examples(config.DataSettings(path=str(p), prompt_field="q", answer_field="a"))
-    assert ex == [data.Example("1+1=", "2"), data.Example("2+2=", "4")]
+    ex = sources.load_examples(config.DataSettings(path=str(p), prompt_field="q", answer_field="a"))
+    assert ex == [sources.Example("1+1=", "2"), sources.Example("2+2=", "4")]
     p.write_text('{"q": "1+1="}\n')
     with pytest.raises(ValueError, match=r"d.jsonl: no field 'a'; the records have \['q'\]"):
-        data.load_examples(config.DataSettings(path=str(p), prompt_field="q", answer_field="a"))
+        sources.load_examples(config.DataSettings(path=str(p), prompt_field="q", answer_field="a"))
 
 
 ROWS = {"question": ["1+1=", "2+3=", "4+4="], "answer": ["#### 2", "#### 5", "#### 8"]}
-WANT = [data.Example(q, a) for q, a in zip(ROWS["question"], ROWS["answer"], strict=True)]
+WANT = [sources.Example(q, a) for q, a in zip(ROWS["question"], ROWS["answer"], strict=True)]
 
 
 def _settings(**kw):
@@ -60,7 +61,7 @@ def test_data_files_of_every_format_made_on_the_fly(tmp_path, suffix):
         )
     else:
         ds.to_json(str(path), lines=True)
-    assert data.load_examples(_settings(path=str(path))) == WANT
+    assert sources.load_examples(_settings(path=str(path))) == WANT
 
 
 def test_a_directory_of_files_and_a_save_to_disk_folder(tmp_path):
@@ -70,16 +71,16 @@ def test_a_directory_of_files_and_a_save_to_disk_folder(tmp_path):
     folder.mkdir()
     ds.select([0, 1]).to_parquet(str(folder / "part-0.parquet"))
     ds.select([2]).to_parquet(str(folder / "part-1.parquet"))
-    assert data.load_examples(_settings(path=str(folder))) == WANT
+    assert sources.load_examples(_settings(path=str(folder))) == WANT
     ds.save_to_disk(str(tmp_path / "saved"))
-    assert data.load_examples(_settings(path=str(tmp_path / "saved"))) == WANT
+    assert sources.load_examples(_settings(path=str(tmp_path / "saved"))) == WANT
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dict"))
-    assert data.load_examples(_settings(path=str(tmp_path / "dict"), hub_split="test")) == WANT[:1]
+    assert sources.load_examples(_settings(path=str(tmp_path / "dict"), hub_split="test")) == WANT[:1]
     (folder / "extra.jsonl").write_text('{"question": "x", "answer": "y"}\n')
     with pytest.raises(ValueError, match="mixes formats"):
-        data.load_examples(_settings(path=str(folder)))
+        sources.load_examples(_settings(path=str(folder)))
     with pytest.raises(ValueError, match="does not exist"):
-        data.load_examples(_settings(path=str(tmp_path / "nope")))
+        sources.load_examples(_settings(path=str(tmp_path / "nope")))
 
 
 def test_hub_path_reads_through_load_dataset_with_subset_and_split(tmp_path):
@@ -95,44 +96,48 @@ def test_hub_path_reads_through_load_dataset_with_subset_and_split(tmp_path):
         "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*\n"
         "  - split: test\n    path: main/test-*\n---\n"
     )
-    got = data.load_examples(_settings(hub_id=str(repo), hub_subset="main", hub_split="test"))
+    got = sources.load_examples(_settings(hub_id=str(repo), hub_subset="main", hub_split="test"))
     assert got == WANT[1:2]
-    assert data.load_examples(_settings(hub_id=str(repo), hub_subset="main")) == WANT
+    assert sources.load_examples(_settings(hub_id=str(repo), hub_subset="main")) == WANT
 
 
 def test_chat_template_wraps_prompts_as_a_user_message():
-    from rljob_trainer import modeling
+    from rljob_trainer.model import modeling
 
     settings = config.ModelSettings(
         name="t", source="tiny", hf_config={"model_type": "qwen2"}, tokenizer="builtin-char"
     )
     tok = modeling.load_tokenizer(settings)
-    raw = data.encode_prompt(tok, "1+1=", chat_template=False)
-    chat = data.encode_prompt(tok, "1+1=", chat_template=True)
+    raw = sources.encode_prompt(tok, "1+1=", chat_template=False)
+    chat = sources.encode_prompt(tok, "1+1=", chat_template=True)
     assert tok.decode(raw) == "1+1=" and tok.decode(chat) == "user: 1+1=\nassistant: "
     digits = modeling.load_tokenizer(settings.model_copy(update={"tokenizer": "builtin-digits"}))
     with pytest.raises(ValueError, match="chatTemplate"):
-        data.encode_prompt(digits, "1+1=", chat_template=True)
+        sources.encode_prompt(digits, "1+1=", chat_template=True)
 
 
 def test_sampler_is_deterministic_and_resumable():
     kw = {"num_examples": 7, "seed": 3, "shuffle": True}
-    all_idx, end = data.next_prompts(data.SamplerState(), 20, **kw)
+    all_idx, end = sources.next_prompts(sources.SamplerState(), 20, **kw)
     # Resuming from any saved state continues the same sequence.
-    first, mid = data.next_prompts(data.SamplerState(), 9, **kw)
-    rest, end2 = data.next_prompts(data.SamplerState.from_dict(mid.to_dict()), 11, **kw)
+    first, mid = sources.next_prompts(sources.SamplerState(), 9, **kw)
+    rest, end2 = sources.next_prompts(sources.SamplerState.from_dict(mid.to_dict()), 11, **kw)
     assert first + rest == all_idx and end2 == end
     # Each epoch is a permutation; epochs differ.
     assert sorted(all_idx[:7]) == list(range(7)) and sorted(all_idx[7:14]) == list(range(7))
     assert all_idx[:7] != all_idx[7:14]
-    assert data.next_prompts(data.SamplerState(), 3, num_examples=5, seed=0, shuffle=False)[0] == [0, 1, 2]
+    assert sources.next_prompts(sources.SamplerState(), 3, num_examples=5, seed=0, shuffle=False)[0] == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_overlong_prompts_are_dropped_and_counted_never_cut() -> None:
-    exs = [data.Example("a", "1"), data.Example("bb", "2"), data.Example("c", "3")]
-    kept, dropped = data.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=4, source="s")
+    exs = [sources.Example("a", "1"), sources.Example("bb", "2"), sources.Example("c", "3")]
+    kept, dropped = sources.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=4, source="s")
     assert kept == [exs[0], exs[2]] and dropped == [1]
     with pytest.raises(
         ValueError, match=r"every prompt is longer than lengths.maxPromptTokens \(2\): row 0 has 3"
     ):
-        data.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=2, source="s")
+        sources.drop_overlong_prompts(exs, [3, 9, 4], max_prompt_tokens=2, source="s")

@@ -1,8 +1,8 @@
-"""DAPO's dynamic sampling (rljob_trainer.dynamic_sampling): groups split, refill, cap and top-up."""
+"""DAPO's dynamic sampling (rljob_trainer.train.dynamic_sampling): groups split, refill, cap and top-up."""
 
 from __future__ import annotations
 
-from rljob_trainer import dynamic_sampling as ds
+from rljob_trainer.train import dynamic_sampling as ds
 
 
 def _batch(rewards_per_group: list[list[float]], first_example: int = 0) -> ds.ScoredBatch:

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.rewards (pure string functions)."""
+"""Unit tests for rljob_trainer.data.rewards (pure string functions)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from rljob_trainer import config, rewards
+from rljob_trainer import config
+from rljob_trainer.data import rewards
 
 
 @pytest.mark.parametrize(

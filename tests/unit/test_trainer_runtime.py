@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rljob_trainer import telemetry_sink
 from rljob_trainer.__main__ import ray_head_command, ray_worker_command
+from rljob_trainer.outputs import telemetry_sink
 
 
 def test_ray_worker_commands_from_pod_env():
@@ -66,7 +66,8 @@ def test_a_draining_rollout_pod_lowers_the_dedicated_target_below_it():
 
 @pytest.mark.torch
 def test_sharding_and_seeds():
-    from rljob_trainer import config, driver, trainer
+    from rljob_trainer import config, driver
+    from rljob_trainer.train import trainer
 
     spec = trainer.micro_batch_spec(config.BatchingSettings(packed=True, dynamic=True))
     lengths = [100, 5, 90, 6, 80, 7, 70, 8]
@@ -81,7 +82,7 @@ def test_sharding_and_seeds():
 
 @pytest.mark.torch
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
-    from rljob_trainer import checkpoint
+    from rljob_trainer.outputs import checkpoint
 
     (tmp_path / ".tmp-step-00000009-x").mkdir()  # a save killed before its rename
     for step in (3, 6, 9):

@@ -1,4 +1,4 @@
-"""The sampler's processed log-probs (rljob_trainer.sampling) against a slow copy of vLLM 0.33's rule."""
+"""The sampler's processed log-probs (rljob_trainer.model.sampling) against a slow copy of vLLM 0.33's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rljob_trainer import sampling
+from rljob_trainer.model import sampling
 
 
 def _vllm_reference(logits: list[float], temperature: float, top_p: float) -> list[float]:

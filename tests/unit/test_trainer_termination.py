@@ -1,4 +1,4 @@
-"""rljob_trainer.termination: the fatal cause a pod's termination message carries."""
+"""rljob_trainer.outputs.termination: the fatal cause a pod's termination message carries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rljob_trainer import termination
+from rljob_trainer.outputs import termination
 from testenv.local_exec import catches_signal
 
 

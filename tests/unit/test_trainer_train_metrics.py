@@ -1,4 +1,4 @@
-"""Step metrics from the ranks' sums and the skipped-step guard (rljob_trainer.train_metrics)."""
+"""Step metrics from the ranks' sums and the skipped-step guard (rljob_trainer.train.train_metrics)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from rljob_trainer import train_metrics as tm
-from rljob_trainer import trainer
+from rljob_trainer.train import train_metrics as tm
+from rljob_trainer.train import trainer
 
 
 def _rank(**over: float) -> dict:

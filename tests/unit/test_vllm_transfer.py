@@ -1,4 +1,4 @@
-"""The timeout and failure rules of `rollout.vllm_transfer` (the trainer side of vLLM's weight
+"""The timeout and failure rules of `weights.vllm_transfer` (the trainer side of vLLM's weight
 transfer), with stand-in engines and senders: no vLLM, no GPU. What vLLM itself takes is checked by
 the conformance tier (tests/conformance/)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rljob_trainer.rollout import vllm_transfer
+from rljob_trainer.weights import vllm_transfer
 
 
 class _Engines:

@@ -1,4 +1,4 @@
-"""Unit tests for rljob_trainer.rollout.weight_sync's pure parts and in-process helpers (no group needed):
+"""Unit tests for rljob_trainer.weights.weight_sync's pure parts and in-process helpers (no group needed):
 bucket planning, the manifest, what a model sends, the loaders' checks. The wire itself is tested
 across real processes in tests/integration/test_weight_sync_processes.py."""
 
@@ -10,8 +10,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_trainer.rollout import weight_sync
-from rljob_trainer.rollout.weight_sync import TensorMeta
+from rljob_trainer.weights import weight_sync
+from rljob_trainer.weights.weight_sync import TensorMeta
 
 pytestmark = pytest.mark.torch
 

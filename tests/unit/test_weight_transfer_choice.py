@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rljob_trainer.rollout import weight_sync as ws
+from rljob_trainer.weights import weight_sync as ws
 
 # What `detect_vllm_weight_transfer` reports for the pinned releases (tests/conformance checks it on the
 # packages): 0.33.0 (CUDA image), 0.23.0 with vllm-ascend (Ascend image); then older and unknown ones.
@@ -90,7 +90,7 @@ def test_detection_without_vllm_installed_is_none() -> None:
 
 
 def _tiny_model(**over: object) -> dict[str, object]:
-    from rljob_trainer import modeling
+    from rljob_trainer.model import modeling
 
     return {
         "name": "m",

@@ -11,9 +11,9 @@ Every pod's `ray start` advertises exactly the container's accelerator request (
 nvidia/amd, `{"NPU": n}` for Ascend: $RLJOB_NUM_ACCELERATORS, $RLJOB_RAY_ACCELERATOR) and its pod
 marker (`rljob_trainer_<i>`: one unit per accelerator, which
 the driver's placement groups ask for; `rljob_rollout_<j>`: 1). On failure `run()` writes the
-cause to the container's termination message (`rljob_trainer.termination`).
+cause to the container's termination message (`rljob_trainer.outputs.termination`).
 `python -m rljob_trainer export --checkpoint DIR --out DIR` writes a checkpoint in Hugging Face
-format instead (`rljob_trainer.export`).
+format instead (`rljob_trainer.outputs.export`).
 Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
 `--local` skips Ray altogether (one rank, same driver code). Callers: the pod command, tests.
 """
@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import termination
+from rljob_trainer.outputs import termination
 
 log = logging.getLogger("rljob_trainer")
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_on_sigterm()
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["export"]:  # `python -m rljob_trainer export --checkpoint DIR --out DIR`
-        from rljob_trainer import export
+        from rljob_trainer.outputs import export
 
         return export.main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m rljob_trainer", description=__doc__.splitlines()[0])
@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_driver(cfg: config_mod.TrainerConfig, args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from rljob_trainer import driver, runtimes, telemetry_sink
+    from rljob_trainer import driver, runtimes
+    from rljob_trainer.outputs import telemetry_sink
 
     t = cfg.telemetry
     sink = telemetry_sink.TelemetrySink(

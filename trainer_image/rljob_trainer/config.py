@@ -129,7 +129,7 @@ class ModelSettings(_Model):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16",
         description="Compute dtype of training and rollout (the trainer keeps fp32 master weights and "
-        "optimizer state: rljob_trainer.precision). float16 is refused: it needs loss scaling.",
+        "optimizer state: rljob_trainer.model.precision). float16 is refused: it needs loss scaling.",
     )
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapters or full fine-tuning.")
     lora: LoraSettings = Field(default_factory=LoraSettings)
@@ -191,8 +191,10 @@ class GRPOSettings(_Model):
     )
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    adv_estimator: str = Field("grpo", description="Advantage estimator name (rljob_trainer.algos registry).")
-    policy_loss: str = Field("clipped", description="Policy loss name (rljob_trainer.algos registry).")
+    adv_estimator: str = Field(
+        "grpo", description="Advantage estimator name (rljob_trainer.train.algos registry)."
+    )
+    policy_loss: str = Field("clipped", description="Policy loss name (rljob_trainer.train.algos registry).")
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = Field(
         "seq-mean-token-mean",
         description="seq-mean-token-mean: mean over each sequence's tokens, then mean over sequences "
@@ -429,7 +431,7 @@ class DistributedSettings(_Model):
         return list(self.trainer_pod_ranks or [self.num_trainer_ranks])
 
 
-# ---- export and experiment tracking (rljob_trainer.export, rljob_trainer.tracking) ---------------
+# ---- export and experiment tracking (rljob_trainer.outputs: export, tracking) -----------------------
 class ExportSettings(_Model):
     every_checkpoint: bool = Field(
         True, description="Also export <dir>/step-<N> in Hugging Face format at every checkpoint."
@@ -473,7 +475,7 @@ class TrackingSettings(_Model):
     mlflow: MlflowSettings | None = Field(None, description="MLflow (needs the tracking extra).")
 
 
-# ---- held-out evaluation (rljob_trainer.evaluation) ----------------------------------------------
+# ---- held-out evaluation (rljob_trainer.data.evaluation) ----------------------------------------------
 class EvaluationSettings(_Model):
     """Held-out evaluation on the rollout engines between steps (verl's test_freq)."""
 
@@ -569,7 +571,7 @@ def cpu_standin(config: TrainerConfig) -> TrainerConfig:
     data["distributed"].update(device="cpu", backend="gloo")
     data["rollout"]["kind"] = "transformers"
     # The dtype stays the job's: torch has bf16 CPU kernels, and a stand-in that trained in fp32 would
-    # hide what bf16 does to a GPU run (rljob_trainer.precision).
+    # hide what bf16 does to a GPU run (rljob_trainer.model.precision).
     return TrainerConfig.model_validate(data)
 
 

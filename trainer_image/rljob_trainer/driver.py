@@ -29,26 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rljob_trainer import (
-    algos,
-    checkpoint,
-    data,
-    dp_balance,
-    dynamic_sampling,
-    evaluation,
-    export,
-    modeling,
-    rewards,
-    runtimes,
-    telemetry,
-    telemetry_sink,
-    tracking,
-    train_metrics,
-    trainer,
-)
 from rljob_trainer import config as config_mod
+from rljob_trainer import dp_balance, runtimes
+from rljob_trainer.data import evaluation, rewards, sources
 from rljob_trainer.engines import base as engine_base
-from rljob_trainer.rollout import buffer, dispatcher, engine_sync, pipeline, weight_sync
+from rljob_trainer.model import modeling
+from rljob_trainer.outputs import checkpoint, export, telemetry, telemetry_sink, tracking
+from rljob_trainer.rollout import buffer, dispatcher, engine_sync, pipeline
+from rljob_trainer.train import algos, dynamic_sampling, train_metrics, trainer
+from rljob_trainer.weights import weight_sync
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -103,7 +92,7 @@ class EngineLost(RuntimeError):
 @dataclass
 class DriverState:
     step: int = 0
-    sampler: data.SamplerState = field(default_factory=data.SamplerState)
+    sampler: sources.SamplerState = field(default_factory=sources.SamplerState)
     history: list[telemetry.SyncReport] = field(default_factory=list)
 
 
@@ -126,7 +115,7 @@ class GRPODriver:
         self.wall_clock = wall_clock
         self.tokenizer = modeling.load_tokenizer(cfg.model)
         # Prompts over lengths.maxPromptTokens are dropped, never cut (metric data/dropped_prompts).
-        self.examples, dropped = data.load_fitting_examples(
+        self.examples, dropped = sources.load_fitting_examples(
             cfg.data, self.tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
         )
         self.dropped_prompts = len(dropped)
@@ -467,7 +456,7 @@ class GRPODriver:
         self.rt.get([self.rt.submit(r, "set_train_state", state["ranks"]) for r in self.ranks])
         self.state = DriverState(
             step=int(meta["step"]),
-            sampler=data.SamplerState.from_dict(meta["sampler"]),
+            sampler=sources.SamplerState.from_dict(meta["sampler"]),
             history=[telemetry.SyncReport.model_validate(h) for h in meta.get("history", [])],
         )
         log.info("resumed from %s at step %s", path, self.state.step)
@@ -508,7 +497,7 @@ class GRPODriver:
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
-        return data.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
+        return sources.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
 
     def _score(self, job: pipeline.GenJob) -> dynamic_sampling.ScoredBatch:
         """One generation job's completions with their rewards (one entry per sample)."""
@@ -726,7 +715,7 @@ class GRPODriver:
         return out
 
     def _export(self, name: str) -> None:
-        """Export the policy (`rljob_trainer.export`) and report its path in the latest SyncReport."""
+        """Export the policy (`rljob_trainer.outputs.export`) and report its path in the latest SyncReport."""
         root = export.export_root(self.cfg)
         if root is None:
             return

@@ -36,7 +36,8 @@ class Host:
         # torch and the engines are imported here, in the actor, not where this class is unpickled.
         import torch
 
-        from rljob_trainer import engines, trainer
+        from rljob_trainer import engines
+        from rljob_trainer.train import trainer
 
         threads = cfg.distributed.torch_threads_per_rank
         if threads:
@@ -86,12 +87,12 @@ class Host:
             )
         return getattr(self.obj, method)()
 
-    # ---- weight sync over a collective (rljob_trainer.rollout.weight_sync), one group per engine ----------
+    # ---- weight sync over a collective (rljob_trainer.weights.weight_sync), one group per engine ----------
     # Trainer rank 0 is rank 0 of every engine's group; the engine is rank 1. Each group has its own
     # TCPStore, so adding or dropping an engine never touches another engine's group.
     def weight_group_create(self, name: str, backend: str, timeout_s: float) -> dict[str, Any]:
         """Rank 0: start the store of engine `name`'s group; returns its `GroupAddress` fields."""
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         host, _ = self.obj.node_address()
         store = weight_sync.create_group_store(host, 2, timeout_s=timeout_s)
@@ -101,7 +102,7 @@ class Host:
 
     def weight_group_open(self, address: dict[str, Any], rank: int) -> None:
         """Join engine `address['name']`'s group: rank 0 on the trainer (with its store), 1 on the engine."""
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         addr = weight_sync.GroupAddress(**address)
         self._groups[addr.name] = weight_sync.open_group(addr, rank, store=self._stores.get(addr.name))
@@ -117,7 +118,7 @@ class Host:
         """Every trainer rank: stream the policy's engine weights (`weight_sync.SEND_*`: LoRA merged,
         only the adapter, or base and adapter) bucket by bucket; rank 0 broadcasts them to the groups
         of `names`. Returns {engine: error} of failed groups."""
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         groups = {n: self._groups[n] for n in names if n in self._groups}
         with self._engine_tensors(what) as (tensors, dtype):
@@ -132,13 +133,13 @@ class Host:
         """The policy's tensors of one sync (`weight_sync.engine_tensors`) and the model dtype."""
         import torch
 
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         with weight_sync.engine_tensors(self.obj._parts()[0], what) as tensors:
             yield tensors, getattr(torch, self._cfg.model.dtype)
 
     # ---- vLLM's weight-transfer API, trainer side (weight_sync.PATH_VLLM_NATIVE) -----------------
-    # NOT RUN here (no GPU): rollout.vllm_transfer drives vLLM's own trainer engines (0.33) or static
+    # NOT RUN here (no GPU): weights.vllm_transfer drives vLLM's own trainer engines (0.33) or static
     # senders (0.23 / vllm-ascend) from every trainer rank; `make test-vllm` checks the calls.
     def vllm_transfer_address(self) -> tuple[str, int]:
         """Rank 0: an address and a free port for one engine's nccl weight-transfer group."""
@@ -152,7 +153,7 @@ class Host:
     def _vllm_weights(self) -> Any:
         """This rank's vLLM `WeightSource` over the merged engine tensors (one per rank, reused)."""
         if self._vllm_source is None:
-            from rljob_trainer.rollout import vllm_transfer
+            from rljob_trainer.weights import vllm_transfer
 
             def tensors() -> Any:
                 return self._engine_tensors_only()
@@ -179,7 +180,7 @@ class Host:
     ) -> str | None:
         """Every trainer rank: open engine `name`'s channel (nccl: its own group, rank 0 the sender;
         ipc: the one shared session, rank 0 does the handshake). Returns the error on rank 0."""
-        from rljob_trainer.rollout import vllm_transfer
+        from rljob_trainer.weights import vllm_transfer
 
         timeout = self._cfg.rollout.engine_timeout_s
         rank = self.obj.rank
@@ -247,7 +248,7 @@ class Host:
 
     def receive_engine_weights(self) -> int:
         """Engine: receive one sync into the engine in place (under its sleep rules); returns the version."""
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         (group,) = self._groups.values()
         engine = self.obj

@@ -71,7 +71,7 @@ DEFAULT_RESOURCE_NAMES: dict[str, str | None] = {
     "cpu": None,
 }
 
-# Ids of the trainer's built-in character tokenizers (rljob_trainer.modeling.CHARSETS + 3 specials).
+# Ids of the trainer's built-in character tokenizers (rljob_trainer.model.modeling.CHARSETS + 3 specials).
 TINY_TOKENIZER_VOCAB: dict[str, int] = {"builtin-char": 99, "builtin-digits": 19}
 DEFAULT_TRAINER_IMAGE = "ghcr.io/rljob/rljob-trainer:0.1.0"
 

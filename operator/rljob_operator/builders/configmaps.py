@@ -16,7 +16,7 @@ import pydantic
 from rljob_operator import api, errors, names
 from rljob_operator.builders.common import JobRef, compute_layout
 from rljob_trainer import config as tc
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 # Mount points inside the pods of the volumes the trainer config refers to.
 MODEL_MOUNT_DIR = "/models"
@@ -149,7 +149,7 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     }
 
 
-# spec.grpo.policyLoss -> the trainer's registered loss (rljob_trainer.algos); "-tis" with TIS.
+# spec.grpo.policyLoss -> the trainer's registered loss (rljob_trainer.train.algos); "-tis" with TIS.
 _POLICY_LOSS = {"ppo": "clipped", "gspo": "gspo"}
 
 

@@ -22,7 +22,7 @@ from rljob_operator import api, names
 from rljob_operator.builders import configmaps, ray_auth, scratch
 from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
 from rljob_trainer import config as tc
-from rljob_trainer import termination
+from rljob_trainer.outputs import termination
 
 RUN_AS_USER = 1000
 CONFIG_VOLUME = "config"
@@ -226,7 +226,7 @@ def _build_pod(
                 "ports": ports,
                 "resources": _resources(spec, accelerators),
                 "volumeMounts": mounts,
-                # The trainer writes its fatal cause there (rljob_trainer.termination); a crash
+                # The trainer writes its fatal cause there (rljob_trainer.outputs.termination); a crash
                 # that writes nothing still shows the log's tail in the pod's status.
                 "terminationMessagePath": termination.DEFAULT_PATH,
                 "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rljob_operator import api, names
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 # Curves drawn into another plot's panel, with a legend: the held-out reward beside the training one.
 OVERLAYS: dict[str, tuple[str, str]] = {"mean_reward": ("eval_mean_reward", "eval")}

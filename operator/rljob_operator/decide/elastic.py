@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from rljob_operator import api, names
 from rljob_operator.decide import lifecycle
 from rljob_operator.decide.lifecycle import PodObservation
-from rljob_trainer.telemetry import SyncReport
+from rljob_trainer.outputs.telemetry import SyncReport
 
 BACKOFF_RESET_FACTOR = 2  # a replacement that ran this many maxBackoffSeconds is healthy again
 

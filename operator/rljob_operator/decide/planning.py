@@ -16,7 +16,7 @@ from rljob_operator import api
 from rljob_operator import estimator as est
 from rljob_operator import quantity as quantity_mod
 from rljob_operator.estimator import refit as refit_mod
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 # CPU jobs (kind cpu) have no accelerator: plan them on a nominal "device" so the KV arithmetic
 # still explains the engine settings. Memory is the pod's memory; bandwidth and peak are those of

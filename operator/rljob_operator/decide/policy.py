@@ -1,7 +1,7 @@
 """Adaptive rollout policy: `decide()` turns sync-point telemetry into one wake/scale step.
 
 Role: the pure core of adaptive mode (issue 5, item 4). The operator's telemetry timer
-(`rljob_operator.handlers`) parses `<job>-telemetry` into `rljob_trainer.telemetry.SyncReport`s,
+(`rljob_operator.handlers`) parses `<job>-telemetry` into `rljob_trainer.outputs.telemetry.SyncReport`s,
 maps `spec.resources.adaptive` to `PolicySettings` (`PolicySettings.from_adaptive_spec`), builds a
 `RolloutState` from `status.rollout` and the plan, calls `decide(...)`, logs and posts the
 `Decision.reason` as an Event, and writes `desired_shared_awake` / `desired_dedicated_engines` to
@@ -87,7 +87,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rljob_operator.estimator import refit as refit_mod
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 Action = Literal["none", "wake_shared", "add_dedicated", "sleep_shared", "remove_dedicated"]
 SignalName = str

@@ -1,7 +1,7 @@
 """Plans refitted from what a job measured: the estimator's rates checked against its SyncReports.
 
 Role: the estimator plans before launch from a roofline (:mod:`throughput`); a running job reports
-at every weight sync what its steps really cost (`rljob_trainer.telemetry.SyncReport`: generation
+at every weight sync what its steps really cost (`rljob_trainer.outputs.telemetry.SyncReport`: generation
 and training seconds, the tokens of the batch, the engines that generated it, and where the engine
 measures them the engine-seconds of prefill and decode). :func:`refit` compares the two: it takes
 the job's measured lengths as the workload, fits one scale per phase (measured / modelled time:
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from rljob_operator.estimator import planner
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 #: The newest reports a refit reads (the history holds at most 32): recent enough to follow drift.
 REFIT_REPORTS = 16

@@ -5,7 +5,7 @@ and the smallest trainer count that fits. Caller: :mod:`planner`.
 
 Per accelerator with ``n`` FSDP ranks and ``P`` parameters:
 
-* full fine-tuning, what the trainer holds (``rljob_trainer.precision``: FSDP2 with
+* full fine-tuning, what the trainer holds (``rljob_trainer.model.precision``: FSDP2 with
   ``MixedPrecisionPolicy(param_dtype=<dtype>, reduce_dtype=float32)``): ``16 P / n`` = fp32 master
   weights 4 + fp32 gradients 4 + AdamW m and v 8, sharded; with a KL penalty the frozen reference
   in the model dtype, sharded too (``2 P / n``);

@@ -21,7 +21,7 @@ from rljob_operator.decide import lifecycle
 from rljob_operator.kube import metrics
 from rljob_operator.reconcile import status
 from rljob_operator.reconcile.state import State
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 EVENT_MIN_INTERVAL_S = float(os.environ.get("RLJOB_EVENT_INTERVAL_S", "30"))
 # A terminating pod still holds its name; check again soon rather than at the next resync.

@@ -38,7 +38,7 @@ from rljob_operator.builders.common import JobLayout
 from rljob_operator.decide.admission import Placement
 from rljob_operator.decide.lifecycle import PodObservation, RestartDecision
 from rljob_operator.decide.preemption import Decision as PreemptionDecision
-from rljob_trainer.telemetry import SyncReport
+from rljob_trainer.outputs.telemetry import SyncReport
 
 PLANNED = "Planned"
 READY = "Ready"

@@ -63,7 +63,7 @@ from rljob_operator.reconcile.queue_steps import (
     step_preemption,
 )
 from rljob_operator.reconcile.state import State
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
 
 async def reconcile_job(

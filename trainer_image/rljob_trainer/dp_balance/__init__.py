@@ -40,7 +40,7 @@ from rljob_trainer.dp_balance.cost import CostModel, rank_cost, simulate_rank_co
 from rljob_trainer.dp_balance.evaluators import fixed_rank_evaluator, padded_greedy_rank_evaluator
 from rljob_trainer.dp_balance.plan import STRATEGY_CODES, DPBalancePlan, plan_dp_balance
 from rljob_trainer.dp_balance.refinement import refine_by_swaps, refine_by_swaps_reference
-from rljob_trainer.microbatch import MicroBatchSpec
+from rljob_trainer.train.microbatch import MicroBatchSpec
 
 # The names these helpers had while the planner was one module; tests pin the fast evaluators and
 # the block layout to the exact simulation through them.

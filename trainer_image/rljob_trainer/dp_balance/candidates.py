@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rljob_trainer import microbatch
 from rljob_trainer.dp_balance import refinement
 
 # Names, not the module: every function here takes a `cost` argument that would shadow it.
 from rljob_trainer.dp_balance.cost import CostModel
+from rljob_trainer.train import microbatch
 
 
 def snake_order(lengths: Sequence[int], dp_size: int) -> list[list[int]]:

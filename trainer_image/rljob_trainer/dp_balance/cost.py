@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rljob_trainer import microbatch
-from rljob_trainer.microbatch import MicroBatchSpec
+from rljob_trainer.train import microbatch
+from rljob_trainer.train.microbatch import MicroBatchSpec
 
 # Relative slack for "strictly lighter": float sums of the same costs in another order differ by ulps.
 REL_EPS = 1e-9

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 # Names, not the module: every function here takes a `cost` argument that would shadow it.
 from rljob_trainer.dp_balance.cost import CostModel, fixed_heads
-from rljob_trainer.microbatch import MicroBatchSpec
+from rljob_trainer.train.microbatch import MicroBatchSpec
 
 
 def fixed_rank_evaluator(

@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob_trainer import microbatch
 from rljob_trainer.dp_balance import bounds, candidates, evaluators, refinement
 
 # Names, not the module: `plan_dp_balance` takes a `cost` argument that would shadow it.
 from rljob_trainer.dp_balance.cost import REL_EPS, CostModel, rank_cost, simulate_rank_costs, strictly_less
-from rljob_trainer.microbatch import MicroBatchSpec
+from rljob_trainer.train import microbatch
+from rljob_trainer.train.microbatch import MicroBatchSpec
 
 STRATEGY_CODES: dict[str, int] = {
     "original": 0,

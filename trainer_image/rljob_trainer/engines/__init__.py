@@ -1,6 +1,9 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): transformers (CPU, tests) and vLLM.
 
-Callers: `rljob_trainer.driver` builds engines with `build_engine` (inside Ray actors or in-process).
+`base` is the interface and its value types;
+`vllm_engine` and `transformers_engine` implement it. Engines take weights through `weights/` and
+load the model through `model/`. Callers: `rljob_trainer.driver` builds engines with `build_engine`
+(inside Ray actors or in-process).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Role: generate completions with a plain Hugging Face causal LM, a KV cache and a per-request seeded
 sampler (so a request's output does not depend on the batch it shares), returning the log-probs it
-sampled with (`rljob_trainer.sampling`: vLLM 0.33's `processed_logprobs`, temperature then top-p,
+sampled with (`rljob_trainer.model.sampling`: vLLM 0.33's `processed_logprobs`, temperature then top-p,
 greedy below temperature 1e-5; the trainer computes the same); sleep and take new
 weights in place under vLLM's rules (`base.SleepState`: level 1 offloads, level 2 discards, no
 update while the weights sleep, no sleep without sleep mode), so a driver that breaks them on a GPU
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import modeling, precision
-from rljob_trainer import sampling as rljob_sampling
 from rljob_trainer.engines import base
+from rljob_trainer.model import modeling, precision
+from rljob_trainer.model import sampling as rljob_sampling
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:

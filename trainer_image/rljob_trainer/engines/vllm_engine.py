@@ -3,7 +3,7 @@
 Role: one `vllm.v1.engine.async_llm.AsyncLLM` per engine actor, on a private asyncio loop in a daemon
 thread; each method submits a coroutine to it and waits (so several calls may be in flight at once:
 a `generate` and, from another thread, `pause_generation`). Callers: `engines.build_engine` inside a
-Ray actor on an accelerator pod; `rollout.vllm_transfer.EngineClient` (rank 0) for the transfer calls.
+Ray actor on an accelerator pod; `weights.vllm_transfer.EngineClient` (rank 0) for the transfer calls.
 
 Why AsyncLLM and not the offline `LLM`: both have vLLM's RL weight-transfer methods
 (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`),
@@ -28,7 +28,7 @@ temperature and top-p: what the sampler drew from).
 Full weights arrive one of two ways (`weight_sync.choose_weight_transfer` from the installed vLLM):
 vLLM's weight-transfer API (`WeightTransferConfig(backend="nccl")` for a dedicated engine, `"ipc"` for
 a colocated one; rank 0 drives `init_weight_transfer` / `start_weight_update` /
-`receive_weight_update` / `finish_weight_update` here through `rollout.vllm_transfer`, each bounded
+`receive_weight_update` / `finish_weight_update` here through `weights.vllm_transfer`, each bounded
 by rollout.engineTimeoutS), or the named fallback `update_weights` (a whole-model dict through the
 object store, loaded by `collective_rpc`: vLLM documents collective_rpc for control messages, so the
 driver logs this path as a warning). `VLLM_ALLOW_INSECURE_SERIALIZATION` is set only where vLLM's
@@ -62,8 +62,8 @@ from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import lora_adapter
 from rljob_trainer.engines import base
+from rljob_trainer.model import lora_adapter
 
 T = TypeVar("T")
 
@@ -152,7 +152,7 @@ def needs_pickle(transfer: Any) -> bool:
     without VLLM_ALLOW_INSECURE_SERIALIZATION: a Python callable (the collective_rpc fallback) or CUDA
     IPC handles (classes and dtypes in `reduce_tensor`'s rebuild arguments). Both stay inside the
     engine's own processes; no other engine allows pickle."""
-    from rljob_trainer.rollout import weight_sync
+    from rljob_trainer.weights import weight_sync
 
     if transfer.path == weight_sync.PATH_COLLECTIVE_RPC:
         return True
@@ -224,7 +224,7 @@ class VLLMEngine(base.RolloutEngine):
     def weight_transfer(self) -> Any:
         """How this engine takes weights (`weight_sync.WeightTransferChoice`), decided at load()."""
         if self._transfer is None:
-            from rljob_trainer.rollout import weight_sync
+            from rljob_trainer.weights import weight_sync
 
             self._transfer = weight_sync.choose_weight_transfer(
                 engine_kind="vllm",
@@ -247,7 +247,7 @@ class VLLMEngine(base.RolloutEngine):
             return str(m.hub_id)
         # A tiny model has no files: write its config, tokenizer and initial weights once so vLLM can
         # build it; later weights arrive through a weight transfer, never through disk.
-        from rljob_trainer import modeling
+        from rljob_trainer.model import modeling
 
         out = tempfile.mkdtemp(prefix=f"rljob-{self.name}-")
         modeling.build_base_model(m, init_seed=self._cfg.grpo.seed).save_pretrained(out)
@@ -262,7 +262,7 @@ class VLLMEngine(base.RolloutEngine):
     def load(self) -> None:
         if self._llm is not None:
             return
-        from rljob_trainer.rollout import weight_sync
+        from rljob_trainer.weights import weight_sync
 
         transfer = self.weight_transfer
         if needs_pickle(transfer):

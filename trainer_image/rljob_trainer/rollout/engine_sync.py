@@ -15,8 +15,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from rljob_trainer import trainer
-from rljob_trainer.rollout import vllm_transfer, weight_sync
+from rljob_trainer.train import trainer
+from rljob_trainer.weights import vllm_transfer, weight_sync
 
 log = logging.getLogger("rljob_trainer.driver")  # the driver's log: these lines are its
 

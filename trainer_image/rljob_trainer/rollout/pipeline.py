@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import data
+from rljob_trainer.data import sources
 from rljob_trainer.engines import base
 from rljob_trainer.rollout import buffer, dispatcher
 
@@ -78,7 +78,7 @@ class GenJob:
 
     step: int
     prompt_indices: list[int]
-    sampler_after: data.SamplerState
+    sampler_after: sources.SamplerState
     group_ids: list[int]
     prompts: list[list[int]]
     seeds: list[int]
@@ -150,13 +150,13 @@ class RolloutPipeline:
         self.jobs: dict[int, GenJob] = {}
         self.calls: dict[Any, Call] = {}
         self._request_of: dict[int, tuple[int, int]] = {}
-        self._sampler = data.SamplerState()
+        self._sampler = sources.SamplerState()
         self._next_step = 1
         self.regenerated = 0  # requests regenerated because their output was too stale
         self.interrupted = 0  # requests interrupted at a weight sync and resumed (partial rollouts)
         self.trainer_wait_s = 0.0  # trainer blocked waiting for rollouts since the last sync point
 
-    def start_at(self, sampler: data.SamplerState, next_step: int) -> None:
+    def start_at(self, sampler: sources.SamplerState, next_step: int) -> None:
         """Generation resumes here (after a checkpoint): the sampler state and the next step to queue."""
         self._sampler, self._next_step = sampler, next_step
 
@@ -194,7 +194,7 @@ class RolloutPipeline:
     def _new_job(self, step: int, prompts: int, *, key: int | None = None, seed_offset: int = 0) -> GenJob:
         """The next `prompts` prompts from the sampler as step `step`'s job, queued under `key`."""
         g = self.cfg.grpo
-        idx, self._sampler = data.next_prompts(
+        idx, self._sampler = sources.next_prompts(
             self._sampler,
             prompts,
             num_examples=len(self.examples),
@@ -211,7 +211,7 @@ class RolloutPipeline:
         return job
 
     def extra_job(self, step: int, prompts: int, round_index: int) -> GenJob:
-        """Dynamic sampling's refill (`rljob_trainer.dynamic_sampling`): `prompts` more prompts from the
+        """Dynamic sampling's refill (`rljob_trainer.train.dynamic_sampling`): `prompts` more prompts from the
         sampler, generated now with the current weights by the engines that serve step `step` (its
         shared engines woken and put back to sleep as for the step itself); blocks until complete."""
         key = -(step * 1000 + round_index)  # never a step number
@@ -435,7 +435,7 @@ def rollout_step_metrics(outputs: Sequence[base.GenerationOutput], trainer_versi
     `prefill_engine_s`, `decode_engine_s`: the SyncReport's inputs to a refit of the estimator)."""
     import torch  # the pipeline itself imports no torch
 
-    from rljob_trainer import algos
+    from rljob_trainer.train import algos
 
     versions = torch.tensor([v for o in outputs for v in o.versions], dtype=torch.long)
     interrupted = torch.tensor([bool(o.meta.get("interrupts", 0)) for o in outputs], dtype=torch.bool)

@@ -4,8 +4,8 @@ Role: holds the policy (LoRA via peft or full fine-tuning), its optimizer and, w
 on, the reference (the base with adapters disabled under LoRA, a frozen copy under full FT). Per
 step it gets its DP-balanced shard of every mini-batch from the driver, computes old (and
 reference) log-probs of the whole step in a forward-only pass before any update, then runs
-micro-batches planned by `rljob_trainer.microbatch` (the planner the DP-balance simulation uses),
-packed through `rljob_trainer.packing` (`use_cache=False`) or padded, and steps the optimizer
+micro-batches planned by `rljob_trainer.train.microbatch` (the planner the DP-balance simulation uses),
+packed through `rljob_trainer.train.packing` (`use_cache=False`) or padded, and steps the optimizer
 after clipping the gradient norm. Callers: `rljob_trainer.driver` (as a Ray actor, or in-process
 in local mode), tests.
 
@@ -28,8 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob_trainer import algos, export, microbatch, modeling, packing, precision, sampling
 from rljob_trainer import config as config_mod
+from rljob_trainer.model import modeling, precision, sampling
+from rljob_trainer.outputs import export
+from rljob_trainer.train import algos, microbatch, packing
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ def padded_token_log_probs(
     device: torch.device | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-sample next-token log-probs [L_i − 1] from one right-padded [B, L_max] forward, with the
-    sampler's processing (`rljob_trainer.sampling`), and optionally the entropies."""
+    sampler's processing (`rljob_trainer.model.sampling`), and optionally the entropies."""
     lengths = [len(s) for s in sequences]
     width = max(lengths)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -177,7 +179,7 @@ class TrainingRank:
     """One data-parallel rank. Construct, then `setup(master_addr, master_port)` on every rank.
 
     `model` is the policy the optimizer, checkpoints and weight syncs see: its trainable parameters
-    are fp32 masters (`rljob_trainer.precision`). Forward and backward run on `_compute`: the FSDP2
+    are fp32 masters (`rljob_trainer.model.precision`). Forward and backward run on `_compute`: the FSDP2
     module itself on accelerators (its policy computes in the job's dtype), or on CPU the compute copy
     of `precision.CpuMixedPrecision`.
     """
@@ -587,7 +589,7 @@ class TrainingRank:
         if what == "merged":
             weights = dict(modeling.iter_engine_weights(self._parts()[0], self.dtype))
         else:
-            from rljob_trainer.rollout import weight_sync
+            from rljob_trainer.weights import weight_sync
 
             with weight_sync.engine_tensors(self._parts()[0], what) as tensors:
                 weights = {n: modeling._to_cpu(t, self.dtype) for n, t in tensors}

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from rljob_trainer import checkpoint, modeling, precision
 from rljob_trainer import config as config_mod
+from rljob_trainer.model import modeling, precision
+from rljob_trainer.outputs import checkpoint
 
-log = logging.getLogger("rljob_trainer.export")
+log = logging.getLogger("rljob_trainer.outputs.export")
 
 MANIFEST = "rljob-export.json"
 MERGED_DIR = "merged"

@@ -3,7 +3,7 @@
 Role: build the tokenizer (loaded next to the weights, or a character-level one built in code for
 tiny models), the policy model (from a volume path, the hub, or random weights from a small config)
 with LoRA adapters or full fine-tuning, and the plain state dict rollout engines load. Callers:
-`rljob_trainer.trainer` (training ranks), `rljob_trainer.engines.transformers_engine` (CPU engine),
+`rljob_trainer.train.trainer` (training ranks), `rljob_trainer.engines.transformers_engine` (CPU engine),
 `rljob_trainer.driver` (tokenizer for prompts and rewards), tests.
 """
 
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import precision
+from rljob_trainer.model import precision
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"

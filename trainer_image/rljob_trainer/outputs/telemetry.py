@@ -3,7 +3,7 @@
 Role: the model the GRPO driver writes to ConfigMap `<job>-telemetry` (key `reports.json`) at every
 weight sync, and that the operator's `policy.decide()` reads. Pure: no torch, no clock, no API
 calls; the driver (`rljob_trainer.driver`) and the operator's telemetry timer are the callers.
-The Kubernetes and Prometheus side effects live in `rljob_trainer.telemetry_sink`.
+The Kubernetes and Prometheus side effects live in `rljob_trainer.outputs.telemetry_sink`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class SyncReport(BaseModel):
     tokens_per_s: float = Field(..., alias="tokensPerS", ge=0, description="Trained tokens per second.")
     response_len_mean: float = Field(..., alias="responseLenMean", ge=0, description="Tokens.")
     export_path: str | None = Field(
-        None, alias="exportPath", description="Newest Hugging Face export (rljob_trainer.export), if any."
+        None,
+        alias="exportPath",
+        description="Newest Hugging Face export (rljob_trainer.outputs.export), if any.",
     )
     checkpoint_ack: str | None = Field(
         None,

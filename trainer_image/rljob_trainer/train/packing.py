@@ -1,6 +1,6 @@
 """Padding-free packing: several samples in one row, and per-sample token log-probs from it.
 
-Role: the trainer runs each micro-batch planned by `rljob_trainer.microbatch` (packed layout) as one
+Role: the trainer runs each micro-batch planned by `rljob_trainer.train.microbatch` (packed layout) as one
 row built by `pack_sequences`, and reads per-sample log-probs with `packed_token_log_probs`.
 Callers: the trainer's forward/backward and forward-only (old/ref log-prob) passes, the DP-balance
 benchmark and tests.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rljob_trainer import sampling
+from rljob_trainer.model import sampling
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def packed_log_probs_and_entropy(
     Args:
         model: a causal LM returning `.logits` [1, T, V].
         packed: from `pack_sequences`.
-        temperature, top_p: the sampler's processing (`rljob_trainer.sampling`), so the log-probs are
+        temperature, top_p: the sampler's processing (`rljob_trainer.model.sampling`), so the log-probs are
             those of the distribution the rollout engine sampled from.
         forward_side_keys: side arrays also passed to the model (e.g. "mm_token_type_ids").
         with_entropy: also return the processed distribution's entropy per token (no grad).

@@ -12,7 +12,8 @@ nucleus renormalised). The transformers engine samples with `processed_log_probs
 packed and padded forwards read the sampled tokens' log-probs with `token_log_probs`. A token outside
 the trainer's own nucleus gets -inf (the policy cannot sample it); callers clamp log-ratios.
 
-Callers: `rljob_trainer.engines.transformers_engine`, `rljob_trainer.packing`, `rljob_trainer.trainer`.
+Callers: `rljob_trainer.engines.transformers_engine`, `rljob_trainer.train.packing`,
+`rljob_trainer.train.trainer`.
 """
 
 from __future__ import annotations

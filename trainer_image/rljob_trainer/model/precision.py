@@ -17,7 +17,7 @@ tests/integration/test_trainer_precision.py). LoRA: the frozen base stays in the
 adapters are fp32 masters, computed in the job's dtype (as FSDP2's param_dtype casts them).
 
 fp16 is refused by the config (`config.ModelSettings`): fp16 compute needs loss scaling, which rljob
-does not do. Callers: `rljob_trainer.trainer`.
+does not do. Callers: `rljob_trainer.train.trainer`.
 """
 
 from __future__ import annotations

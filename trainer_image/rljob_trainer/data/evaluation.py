@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import data
+from rljob_trainer.data import sources
 from rljob_trainer.engines import base
 
-log = logging.getLogger("rljob_trainer.evaluation")
+log = logging.getLogger("rljob_trainer.data.evaluation")
 
 # Request seeds of the evaluation: fixed, so a sampled evaluation is comparable from step to step.
 EVAL_SEED = 7_919
@@ -80,7 +80,7 @@ class Evaluator:
         self,
         settings: config_mod.EvaluationSettings,
         *,
-        examples: list[data.Example],
+        examples: list[sources.Example],
         prompts: list[list[int]],
         max_response_tokens: int,
     ) -> None:
@@ -94,12 +94,12 @@ class Evaluator:
         ev = cfg.evaluation
         if ev is None:
             raise ValueError("evaluation is not configured")
-        examples, _ = data.load_fitting_examples(
+        examples, _ = sources.load_fitting_examples(
             ev.data, tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
         )
         examples = examples[: ev.max_samples]
         prompts = [
-            data.encode_prompt(tokenizer, e.prompt, chat_template=ev.data.chat_template) for e in examples
+            sources.encode_prompt(tokenizer, e.prompt, chat_template=ev.data.chat_template) for e in examples
         ]
         return cls(
             ev, examples=examples, prompts=prompts, max_response_tokens=cfg.lengths.max_response_tokens

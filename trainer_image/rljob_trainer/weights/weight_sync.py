@@ -161,7 +161,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # vLLM's own weight-transfer API (`vllm.config.WeightTransferConfig(backend=...)` on the engine, whose
 # workers then take `init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
 # `finish_weight_update`) has two trainer sides, told apart by what the installed vLLM has
-# (`detect_vllm_weight_transfer`); `rollout.vllm_transfer` speaks both:
+# (`detect_vllm_weight_transfer`); `weights.vllm_transfer` speaks both:
 # - GEN_TRAINER_ENGINES (vLLM 0.33.0, the CUDA image's pin): trainer engines built by
 #   `WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)` on every trainer rank,
 #   `send_weights()` drives the engine through a `VLLMWeightSyncClient`
@@ -486,7 +486,7 @@ def engine_tensors(
     model: torch.nn.Module, what: str = SEND_MERGED
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The tensors of one sync (`SEND_*`), as references into the model (no copies)."""
-    from rljob_trainer import modeling
+    from rljob_trainer.model import modeling
 
     if not modeling.is_lora(model):
         if what != SEND_MERGED:

@@ -95,7 +95,7 @@ def write_peft_adapter(
 
 
 def _peft_config(settings: config_mod.ModelSettings) -> Any:
-    from rljob_trainer import modeling
+    from rljob_trainer.model import modeling
 
     return modeling.peft_lora_config(settings)
 

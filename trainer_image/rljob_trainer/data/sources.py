@@ -23,7 +23,7 @@ import numpy as np
 
 from rljob_trainer import config as config_mod
 
-log = logging.getLogger("rljob_trainer.data")
+log = logging.getLogger("rljob_trainer.data.sources")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Example:
 
 def builtin_datasets() -> list[str]:
     """Names of the datasets shipped with the package."""
-    root = resources.files("rljob_trainer") / "datasets"
+    root = resources.files("rljob_trainer.data") / "builtin"
     return sorted(p.name[: -len(".jsonl")] for p in root.iterdir() if p.name.endswith(".jsonl"))
 
 
@@ -136,7 +136,7 @@ def load_examples(settings: config_mod.DataSettings) -> list[Example]:
     names = builtin_datasets()
     if settings.builtin not in names:
         raise ValueError(f"unknown builtin dataset {settings.builtin!r}; valid names: {', '.join(names)}")
-    text = (resources.files("rljob_trainer") / "datasets" / f"{settings.builtin}.jsonl").read_text()
+    text = (resources.files("rljob_trainer.data") / "builtin" / f"{settings.builtin}.jsonl").read_text()
     return _read_jsonl(text, "prompt", "answer", f"builtin:{settings.builtin}")
 
 

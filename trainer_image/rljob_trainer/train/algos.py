@@ -3,7 +3,7 @@
 Role: the math of one GRPO update, registered by name like verl's `register_adv_est` /
 `register_policy_loss`, each vectorised function kept next to a slow reference it is tested
 against. Pure tensor functions: no distributed calls, no `.item()` (callers do that). Callers:
-`rljob_trainer.driver` (advantages), `rljob_trainer.trainer` (losses), tests.
+`rljob_trainer.driver` (advantages), `rljob_trainer.train.trainer` (losses), tests.
 
 Token tensors are flat: one entry per token of a micro-batch, packed or padded alike, with
 `seq_ids` (long, same shape) giving each token's sequence index within the micro-batch and

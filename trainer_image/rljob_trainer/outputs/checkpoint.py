@@ -16,7 +16,7 @@ and returns the first whole one with the reasons it skipped the others (a trunca
 missing one), which the driver logs and reports (`SyncReport.checkpointFallback`, a Warning
 Event on the RLJob). A checkpoint is written into a temporary directory and renamed into place,
 so `list_checkpoints` never sees a half-written one, even after SIGKILL.
-Callers: `rljob_trainer.driver`, `rljob_trainer.export`, tests.
+Callers: `rljob_trainer.driver`, `rljob_trainer.outputs.export`, tests.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where sync-point telemetry goes: logs, a Prometheus endpoint, and the job's telemetry ConfigMap.
 
-Role: the imperative shell around `rljob_trainer.telemetry` (pure). At every weight sync the driver
+Role: the imperative shell around `rljob_trainer.outputs.telemetry` (pure). At every weight sync the driver
 calls `publish(history, metrics)`: metrics go to the log and to Prometheus gauges always; the report
 history goes to ConfigMap `<job>-telemetry` (key `reports.json`) when telemetry is enabled and a
 Kubernetes config (in-cluster or kubeconfig) is available. `read_targets()` reads the desired engine
@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
-log = logging.getLogger("rljob_trainer.telemetry")
+log = logging.getLogger("rljob_trainer.outputs.telemetry")
 
 API_GROUP = "rljob.io"
 API_VERSION = "v1alpha1"

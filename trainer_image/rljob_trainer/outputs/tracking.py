@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rljob_trainer import config as config_mod
-from rljob_trainer import telemetry
+from rljob_trainer.outputs import telemetry
 
-log = logging.getLogger("rljob_trainer.tracking")
+log = logging.getLogger("rljob_trainer.outputs.tracking")
 
 TENSORBOARD_DIR = "tensorboard"
 # Driver metrics that are bookkeeping rather than curves.

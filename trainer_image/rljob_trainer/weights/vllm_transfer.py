@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-log = logging.getLogger("rljob_trainer.rollout.vllm_transfer")
+log = logging.getLogger("rljob_trainer.weights.vllm_transfer")
 
 GEN_TRAINER_ENGINES = "trainer-engines"  # == weight_sync.GEN_TRAINER_ENGINES (no torch import here)
 GEN_STATIC_SENDER = "static-sender"
@@ -194,7 +194,7 @@ class TensorMeta:
 
 @functools.cache
 def _source_class() -> type:
-    from rljob_trainer.rollout import weight_sync
+    from rljob_trainer.weights import weight_sync
 
     try:  # vLLM 0.33: a WeightSource the trainer engines take; 0.23's static senders take an iterator
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
