@@ -215,6 +215,24 @@ INVALID_CASES: list[InvalidCase] = [
         "gspo optimises a mean over sequences",
     ),
     InvalidCase(
+        "cel-rollout-correction-is-bounds",
+        {"spec.grpo.rolloutCorrection": {"importanceSampling": {"mode": "mask", "lower": 3.0, "upper": 2.0}}},
+        "spec.grpo.rolloutCorrection.importanceSampling.lower",
+        "importanceSampling.lower must be at most upper",
+    ),
+    InvalidCase(
+        "cel-rollout-correction-lower-needs-mask",
+        {"spec.grpo.rolloutCorrection": {"importanceSampling": {"mode": "truncate", "lower": 0.5}}},
+        "spec.grpo.rolloutCorrection.importanceSampling.lower",
+        "lower bounds mode mask only",
+    ),
+    InvalidCase(
+        "cel-rollout-correction-rejection-bounds",
+        {"spec.grpo.rolloutCorrection": {"rejection": {"level": "geometric", "lower": 1.5, "upper": 1.01}}},
+        "spec.grpo.rolloutCorrection.rejection.lower",
+        "rejection.lower must be at most upper",
+    ),
+    InvalidCase(
         "cel-float16-refused",
         {"spec.model.dtype": "float16"},
         "spec.model.dtype",

@@ -1,7 +1,7 @@
 """Old log-probs are taken once per step, so with more than one update per step the PPO clip acts.
 
 Recomputing old log-probs from the current weights before every mini-batch (the old code) makes the
-ratio exactly 1, `clipfrac` 0 and the loss of every update -mean(advantage), whatever the clip.
+ratio exactly 1, `pg_clipfrac` 0 and the loss of every update -mean(advantage), whatever the clip.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_second_update_uses_the_step_start_log_probs_and_equals_the_reference():
         global_num_tokens=len(adv_tok),
     )
     assert abs(stats["pg_loss_updates"][1] - ratio_one) > 1e-3
-    assert stats["clipfrac_tokens"] > 0
+    assert stats["pg_clipfrac_tokens"] > 0
 
 
 def test_driver_reports_clipfrac_and_logprob_diff():
@@ -96,7 +96,7 @@ def test_driver_reports_clipfrac_and_logprob_diff():
     d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg))
     metrics = d.run(2)
     assert all(len(m["pg_loss_updates"]) == 4 for m in metrics)  # 2 mini-batches x 2 epochs
-    assert max(m["clipfrac"] for m in metrics) > 0
+    assert max(m["pg_clipfrac"] for m in metrics) > 0
     # The engine sampled with the trainer's weights: its log-probs match the trainer's.
     assert all(0 <= m["rollout/logprob_diff"] < 1e-4 for m in metrics), [
         m["rollout/logprob_diff"] for m in metrics
@@ -107,4 +107,4 @@ def test_a_single_update_per_step_never_clips():
     cfg = _cfg()
     samples = _samples(cfg)
     stats = _rank(cfg).train_step([_mb(samples)])
-    assert stats["clipfrac_tokens"] == 0 and len(stats["pg_loss_updates"]) == 1
+    assert stats["pg_clipfrac_tokens"] == 0 and len(stats["pg_loss_updates"]) == 1

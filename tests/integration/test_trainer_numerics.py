@@ -139,9 +139,10 @@ def test_loss_metrics_are_means_over_the_steps_updates() -> None:
     d.shutdown()
     assert len(m["pg_loss_updates"]) == 4
     assert m["pg_loss"] == pytest.approx(sum(m["pg_loss_updates"]) / 4, abs=1e-7)  # not their sum
-    for key in ("entropy", "ppo_kl", "clipfrac_low", "clipfrac_high"):
+    for key in ("entropy", "ppo_kl", "pg_clipfrac_ratio_low", "pg_clipfrac_ratio_high", "pg_clipfrac_lower"):
         assert math.isfinite(m[key]), key
-    assert m["entropy"] > 0 and m["clipfrac"] == pytest.approx(m["clipfrac_low"] + m["clipfrac_high"])
+    assert m["entropy"] > 0
+    assert m["pg_clipfrac"] == pytest.approx(m["pg_clipfrac_ratio_low"] + m["pg_clipfrac_ratio_high"])
 
 
 def test_the_default_tis_cap_is_the_one_truncated_fraction_counts_against() -> None:

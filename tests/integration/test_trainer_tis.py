@@ -141,7 +141,7 @@ def test_one_update_on_stale_rollouts_skips_the_forward_only_pass_and_steps_the_
     fused._forward_only = counted  # type: ignore[method-assign]
     got, want = fused.train_step([mb]), separate.train_step([mb])
     assert passes == []  # no old (nor, without KL, reference) forward-only pass
-    for key in ("pg_loss", "is_weight_sum", "is_weight_max", "is_truncated_tokens", "logprob_diff_sum"):
+    for key in ("pg_loss", "is_weight_sum", "is_weight_max", "is_truncated_tokens", "corr/abs_diff_sum"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert got["is_truncated_tokens"] > 0  # the samples are off-policy: TIS acts on them
     after = dict(fused._parts()[0].named_parameters())

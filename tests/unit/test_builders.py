@@ -498,6 +498,38 @@ def test_evaluation_gspo_and_the_numerics_settings_reach_the_trainer() -> None:
     ).grpo.policy_loss == ("gspo-tis")
 
 
+def test_rollout_correction_reaches_the_trainer_and_replaces_tis_cap_at_every_staleness() -> None:
+    legacy = make_spec(grpo={"maxStaleness": 1, "tisCap": 3.0})
+    g = configmaps.render_trainer_config(legacy, static_plan(legacy), {"model_type": "llama"}).grpo
+    # a job written for tisCap: the same token TIS the '-tis' loss applied before rolloutCorrection
+    assert g.policy_loss == "clipped-tis" and g.rollout_correction is None
+    eff = g.effective_rollout_correction()
+    assert eff is not None and (eff.is_level, eff.is_mode, eff.is_upper) == ("token", "truncate", 3.0)
+
+    spec = make_spec(
+        grpo={
+            "maxStaleness": 0,
+            "tisCap": 7.0,
+            "rolloutCorrection": {
+                "importanceSampling": {"level": "token", "mode": "mask", "lower": 0.5, "upper": 5.0},
+                "rejection": {"level": "geometric", "lower": 0.99, "upper": 1.01},
+            },
+        }
+    )
+    g = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"}).grpo
+    rc = g.rollout_correction
+    assert g.policy_loss == "clipped" and rc is not None  # plain loss: the correction weighs
+    assert (rc.is_level, rc.is_mode, rc.is_lower, rc.is_upper) == ("token", "mask", 0.5, 5.0)
+    assert (rc.reject_level, rc.reject_lower, rc.reject_upper) == ("geometric", 0.99, 1.01)
+    assert g.effective_rollout_correction() is rc  # at staleness 0 too; tisCap 7 unused
+
+    none = make_spec(grpo={"rolloutCorrection": {"importanceSampling": {"level": "none"}}})
+    rc = configmaps.render_trainer_config(
+        none, static_plan(none), {"model_type": "llama"}
+    ).grpo.rollout_correction
+    assert rc is not None and rc.is_level is None and rc.reject_level is None  # metrics only
+
+
 def test_held_out_data_on_another_claim_is_refused_naming_the_field() -> None:
     spec = make_spec(
         data={"source": {"pvc": {"claimName": "train", "path": "a.jsonl"}}},

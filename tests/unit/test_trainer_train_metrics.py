@@ -12,16 +12,17 @@ from rljob_trainer.train import trainer
 
 def _rank(**over: float) -> dict:
     base = dict.fromkeys(trainer.STAT_SUMS, 0.0)
-    base.update(loss=0.5, pg_loss=0.4, kl=0.1, loss_tokens=10.0, clipfrac_tokens=2.0, entropy_sum=5.0)
+    base.update(loss=0.5, pg_loss=0.4, kl=0.1, loss_tokens=10.0, pg_clipfrac_tokens=2.0, entropy=0.25)
     base.update(grad_norm=1.0, pg_loss_updates=[0.4], updates=1)
     base.update(over)
     return base
 
 
 def test_shares_add_up_over_ranks_and_token_means_are_weighted() -> None:
-    m = tm.step_training_metrics([_rank(), _rank(loss_tokens=30.0, clipfrac_tokens=2.0, entropy_sum=15.0)])
+    m = tm.step_training_metrics([_rank(), _rank(loss_tokens=30.0, pg_clipfrac_tokens=2.0, entropy=0.5)])
     assert m["loss"] == pytest.approx(1.0) and m["pg_loss_updates"] == [pytest.approx(0.8)]
-    assert m["clipfrac"] == pytest.approx(4 / 40) and m["entropy"] == pytest.approx(20 / 40)
+    # token means weigh by tokens; entropy is a share of the global aggregate, like the loss: summed
+    assert m["pg_clipfrac"] == pytest.approx(4 / 40) and m["entropy"] == pytest.approx(0.75)
     assert m["train/skipped_steps"] == 0
 
 

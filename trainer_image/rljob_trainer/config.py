@@ -177,6 +177,42 @@ class DynamicSamplingSettings(_Model):
     )
 
 
+class RolloutCorrectionSettings(_Model):
+    """`spec.grpo.rolloutCorrection`: importance weights and rejection against the engine's behaviour
+    policy (`rljob_trainer.train.rollout_correction`, where each is defined and cited). Applied at every
+    staleness, 0 included (the engine and the trainer differ in kernels and dtype even then)."""
+
+    is_level: Literal["token", "sequence", "geometric"] | None = Field(
+        "token",
+        description="Importance weight per token (token), per sequence (sequence: the product of its "
+        "token ratios) or the geometric mean of its token ratios (geometric); None: no weights.",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: min(ratio, is_upper) (TIS); mask: the ratio inside [is_lower, is_upper], "
+        "0 outside (masked IS; IcePop at the token level).",
+    )
+    is_lower: float | None = Field(None, gt=0, description="mask's lower bound; None: 1 / is_upper.")
+    is_upper: float = Field(2.0, gt=0, description="The truncation cap, or mask's upper bound.")
+    reject_level: Literal["token", "sequence", "geometric"] | None = Field(
+        None, description="Drop tokens or whole sequences whose ratio at this level is out of bounds."
+    )
+    reject_lower: float | None = Field(None, gt=0, description="None: 1 / reject_upper.")
+    reject_upper: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutCorrectionSettings:
+        for lo, hi, name in (
+            (self.is_lower, self.is_upper, "is"),
+            (self.reject_lower, self.reject_upper, "reject"),
+        ):
+            if lo is not None and lo > hi:
+                raise ValueError(
+                    f"grpo.rollout_correction.{name}_lower must be <= {name}_upper ({lo} > {hi})"
+                )
+        return self
+
+
 class GRPOSettings(_Model):
     group_size: int = Field(8, ge=2, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
@@ -239,6 +275,20 @@ class GRPOSettings(_Model):
         "this many skipped in a row fail the run, naming the step and the metric.",
     )
     dynamic_sampling: DynamicSamplingSettings = Field(default_factory=DynamicSamplingSettings)
+    rollout_correction: RolloutCorrectionSettings | None = Field(
+        None,
+        description="Rollout correction against the engine's log-probs (replaces tis_cap and the '-tis' "
+        "losses' truncation when set); None: a '*-tis' loss truncates token weights at tis_cap, others none.",
+    )
+
+    def effective_rollout_correction(self) -> RolloutCorrectionSettings | None:
+        """What the trainer applies: `rollout_correction` when set, else a '*-tis' loss's token TIS at
+        `tis_cap` (how a job written for tisCap trained before rolloutCorrection), else nothing."""
+        if self.rollout_correction is not None:
+            return self.rollout_correction
+        if self.policy_loss.endswith("-tis"):
+            return RolloutCorrectionSettings(is_level="token", is_mode="truncate", is_upper=self.tis_cap)
+        return None
 
     @model_validator(mode="after")
     def _gspo_mean(self) -> GRPOSettings:

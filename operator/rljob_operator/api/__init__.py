@@ -74,7 +74,15 @@ from rljob_operator.api.data import (
     RewardModuleSpec,
     RewardSpec,
 )
-from rljob_operator.api.grpo import BatchingSpec, DynamicSamplingSpec, GRPOSpec, LengthsSpec
+from rljob_operator.api.grpo import (
+    BatchingSpec,
+    DynamicSamplingSpec,
+    GRPOSpec,
+    ImportanceSamplingSpec,
+    LengthsSpec,
+    RejectionSpec,
+    RolloutCorrectionSpec,
+)
 from rljob_operator.api.job import (
     CheckpointSpec,
     CheckpointVolume,
@@ -186,6 +194,7 @@ __all__ = [
     "HubDataSource",
     "HubModelSource",
     "ImageSpec",
+    "ImportanceSamplingSpec",
     "KVCacheDtype",
     "LengthsSpec",
     "LoRASpec",
@@ -212,6 +221,7 @@ __all__ = [
     "RLJobSpec",
     "RLJobStatus",
     "RefitRate",
+    "RejectionSpec",
     "ReplacementBackoff",
     "ResourceMode",
     "ResourcesSpec",
@@ -222,6 +232,7 @@ __all__ = [
     "RewardModuleSpec",
     "RewardName",
     "RewardSpec",
+    "RolloutCorrectionSpec",
     "RolloutSpec",
     "RolloutStatus",
     "SecretKeyRef",

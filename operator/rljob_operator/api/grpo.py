@@ -29,6 +29,90 @@ class DynamicSamplingSpec(_Spec):
     )
 
 
+_BOUNDS_RULE = "!has(self.lower) || self.lower <= self.upper"
+
+
+class ImportanceSamplingSpec(_Spec):
+    """Importance weights π_trainer / π_rollout on each token's loss, detached (no gradient)."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule=_BOUNDS_RULE,
+            message="spec.grpo.rolloutCorrection.importanceSampling.lower must be at most upper",
+            field_path=".lower",
+            check=lambda s: s.lower is None or s.lower <= s.upper,
+        ),
+        CelRule(
+            rule="!has(self.lower) || self.mode == 'mask'",
+            message="spec.grpo.rolloutCorrection.importanceSampling.lower bounds mode mask only (truncate "
+            "caps at upper): set mode: mask or remove lower",
+            field_path=".lower",
+            reason="FieldValueForbidden",
+            check=lambda s: s.lower is None or s.mode == "mask",
+        ),
+    )
+
+    level: Literal["token", "sequence", "geometric", "none"] = Field(
+        "token",
+        description="The ratio each token's weight is computed from: token (its own ratio; verl's token "
+        "TIS), sequence (the product of its sequence's token ratios; verl's sequence IS), geometric (their "
+        "geometric mean, the length-normalised sequence ratio), or none (no weights: rejection and the "
+        "mismatch metrics only).",
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: weight min(ratio, upper) (truncated IS, TIS); mask: the ratio inside "
+        "[lower, upper] and 0 outside (masked IS; at level token this is IcePop, with lower 0.5 and "
+        "upper 5 in its paper).",
+    )
+    lower: float | None = Field(
+        None,
+        gt=0.0,
+        le=1000.0,
+        description="Lower bound of mode mask; default 1 / upper.",
+    )
+    upper: float = Field(
+        2.0,
+        gt=0.0,
+        le=1.0e6,
+        description="The truncation cap (mode truncate) or the upper bound (mode mask).",
+    )
+
+
+class RejectionSpec(_Spec):
+    """Rejection: tokens or whole sequences whose ratio is out of bounds are dropped from the loss."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule=_BOUNDS_RULE,
+            message="spec.grpo.rolloutCorrection.rejection.lower must be at most upper",
+            field_path=".lower",
+            check=lambda s: s.lower is None or s.lower <= s.upper,
+        ),
+    )
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        ...,
+        description="token: drop each token whose ratio is out of bounds; sequence: drop a whole sequence "
+        "whose product of token ratios is (verl's seq_sum_k1); geometric: drop a whole sequence whose "
+        "geometric-mean ratio is (verl's seq_mean_k1, Geo-RS; verl suggests bounds 0.999-1.001).",
+    )
+    lower: float | None = Field(None, gt=0.0, le=1000.0, description="Lower ratio bound; default 1 / upper.")
+    upper: float = Field(2.0, gt=0.0, le=1.0e6, description="Upper ratio bound.")
+
+
+class RolloutCorrectionSpec(_Spec):
+    """Correction for the gap between the rollout engine's policy and the trainer's."""
+
+    importance_sampling: ImportanceSamplingSpec = Field(
+        default_factory=lambda: ImportanceSamplingSpec(),
+        description="Importance weights on each token's loss; default token level, truncated at 2.",
+    )
+    rejection: RejectionSpec | None = Field(
+        None, description="Drop tokens or sequences whose ratio is out of bounds; default none."
+    )
+
+
 class GRPOSpec(_Spec):
     """Group Relative Policy Optimization settings."""
 
@@ -122,7 +206,14 @@ class GRPOSpec(_Spec):
         le=1000.0,
         description="Off-policy correction when maxStaleness > 0: truncated importance sampling, each "
         "token's loss weighted by min(pi_trainer / pi_rollout, tisCap) with the engine's log-probs "
-        "(verl's TIS); 0 disables it.",
+        "(verl's TIS); 0 disables it. rolloutCorrection, when set, replaces it.",
+    )
+    rollout_correction: RolloutCorrectionSpec | None = Field(
+        None,
+        description="Rollout correction at every maxStaleness (0 too: engine and trainer kernels differ): "
+        "importance weights (token, sequence or geometric; truncated, or masked as IcePop) and rejection, "
+        "with the ratio pi_trainer / pi_rollout of the engine's log-probs; metrics rollout_corr/*. When "
+        "set it replaces tisCap; {} is token-level truncated IS at 2.",
     )
     policy_loss: Literal["ppo", "gspo"] = Field(
         "ppo",

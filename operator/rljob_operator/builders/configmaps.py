@@ -155,7 +155,8 @@ _POLICY_LOSS = {"ppo": "clipped", "gspo": "gspo"}
 
 def _pipeline_settings(spec: api.RLJobSpec, rollout: dict[str, Any]) -> dict[str, Any]:
     """maxStaleness (default 1 when the job can have dedicated engines, else 0), the policy loss (its
-    TIS variant when the pipeline runs ahead) and DAPO's dynamic sampling."""
+    TIS variant when the pipeline runs ahead, unless spec.grpo.rolloutCorrection says what to do),
+    the rollout correction and DAPO's dynamic sampling."""
     g = spec.grpo
     staleness = g.max_staleness
     if staleness is None:
@@ -171,9 +172,26 @@ def _pipeline_settings(spec: api.RLJobSpec, rollout: dict[str, Any]) -> dict[str
             "max_generation_rounds": g.dynamic_sampling.max_generation_rounds,
         },
     }
-    if staleness > 0 and g.tis_cap > 0:
+    if g.rollout_correction is not None:
+        # Replaces tisCap, at every staleness: the trainer weighs by these (plain loss names).
+        out["rollout_correction"] = _rollout_correction_settings(g.rollout_correction)
+    elif staleness > 0 and g.tis_cap > 0:
         out.update(policy_loss=f"{loss}-tis", tis_cap=g.tis_cap)
     return out
+
+
+def _rollout_correction_settings(rc: api.RolloutCorrectionSpec) -> dict[str, Any]:
+    """spec.grpo.rolloutCorrection as the trainer's grpo.rollout_correction."""
+    imp, rej = rc.importance_sampling, rc.rejection
+    return {
+        "is_level": None if imp.level == "none" else imp.level,
+        "is_mode": imp.mode,
+        "is_lower": imp.lower,
+        "is_upper": imp.upper,
+        "reject_level": rej.level if rej is not None else None,
+        "reject_lower": rej.lower if rej is not None else None,
+        "reject_upper": rej.upper if rej is not None else 2.0,
+    }
 
 
 def _evaluation_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:

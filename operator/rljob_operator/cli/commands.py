@@ -25,7 +25,7 @@ from rljob_operator.api import crd
 from rljob_operator.cli import console
 from rljob_operator.decide import planning
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # operator/rljob_operator/cli/commands.py
 # The generated CRD and its copy in the Helm chart (helm installs what is in the chart's crds/).
 REPO_CRD_DIRS = (REPO_ROOT / "crds", REPO_ROOT / "helm" / "rljob" / "crds")
 

@@ -8,6 +8,14 @@ against. Pure tensor functions: no distributed calls, no `.item()` (callers do t
 Token tensors are flat: one entry per token of a micro-batch, packed or padded alike, with
 `seq_ids` (long, same shape) giving each token's sequence index within the micro-batch and
 `mask` (float, 1.0 on response tokens that count, 0.0 on prompt and padding tokens).
+
+Out-of-nucleus tokens: with top-p < 1 a sampled token can fall outside the trainer's own nucleus,
+where its processed log-prob is -inf (`rljob_trainer.model.sampling`). Every term here that compares
+two log-probs of a token (the PPO and GSPO ratios, the KL estimators, the IS weights, the clip
+metrics) drops such a token: its value and its gradient are 0 (`in_nucleus`), and it keeps its
+place in the aggregation's denominators (as IcePop's masked tokens do), so how many fall out never
+rescales the batch. -inf - (-inf) is NaN, so inputs are zeroed where dropped *before* any arithmetic
+(a NaN behind a `torch.where` still poisons the backward pass). docs/numerics.md says why.
 """
 
 from __future__ import annotations
@@ -138,6 +146,20 @@ def clamped_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tenso
     return torch.clamp(logp - old_logp, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
 
 
+def in_nucleus(*logps: torch.Tensor) -> torch.Tensor:
+    """True where every given log-prob of a token is finite: the token lies inside each policy's
+    top-p nucleus. (T,) each -> (T,) bool. A token where one is -inf is dropped from every term."""
+    valid = torch.isfinite(logps[0])
+    for lp in logps[1:]:
+        valid = valid & torch.isfinite(lp)
+    return valid
+
+
+def zero_where_dropped(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`x` with 0 where `valid` is False, so no -inf or NaN reaches arithmetic (or its backward)."""
+    return torch.where(valid, x, torch.zeros_like(x))
+
+
 def dual_clip_loss(
     ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float, clip_high: float, clip_ratio_c: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,16 +187,25 @@ def clipped_policy_loss(
     clip_low: float,
     clip_high: float,
     clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip per token with separate low/high bounds (DAPO clip-higher) and dual-clip.
 
     All inputs (T,). Returns (per-token loss (T,), per-token clipped indicator (T,) float).
-    ρ_t = exp(clamp(logp_t - old_logp_t, ±20)); the loss is `dual_clip_loss`.
+    ρ_t = exp(clamp(logp_t - old_logp_t, ±20)); the loss is `dual_clip_loss`, times `weights` (a
+    detached per-token rollout correction, `rljob_trainer.train.rollout_correction`) when given. A
+    token outside either policy's nucleus (a -inf log-prob) gives 0 and no gradient (`in_nucleus`).
     """
-    ratio = torch.exp(clamped_log_ratio(logp, old_logp))
-    return dual_clip_loss(
+    valid = in_nucleus(logp, old_logp)
+    lp, olp = zero_where_dropped(logp, valid), zero_where_dropped(old_logp, valid)
+    ratio = torch.exp(clamped_log_ratio(lp, olp))
+    loss, clipped = dual_clip_loss(
         ratio, advantages, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
     )
+    keep = valid.to(loss.dtype)
+    if weights is not None:
+        keep = keep * weights.detach().to(loss.dtype)
+    return loss * keep, clipped * valid.to(clipped.dtype)
 
 
 def clipped_policy_loss_reference(
@@ -186,11 +217,14 @@ def clipped_policy_loss_reference(
     clip_high: float,
     clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
 ) -> list[float]:
-    """Slow per-token reference of `clipped_policy_loss` (losses only)."""
+    """Slow per-token reference of `clipped_policy_loss` (losses only; 0 for a -inf log-prob)."""
     import math
 
     out = []
     for lp, olp, a in zip(logp, old_logp, advantages, strict=True):
+        if not (math.isfinite(lp) and math.isfinite(olp)):
+            out.append(0.0)
+            continue
         ratio = math.exp(min(max(lp - olp, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
         loss = max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high))
         out.append(min(loss, -a * clip_ratio_c) if a < 0 else loss)
@@ -208,6 +242,7 @@ def clipped_tis_policy_loss(
     clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
     rollout_logp: torch.Tensor | None = None,
     tis_cap: float = 2.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip corrected for off-policy rollouts by truncated importance sampling (decoupled PPO).
 
@@ -216,23 +251,32 @@ def clipped_tis_policy_loss(
     policy: older weights under an async pipeline, and another kernel stack either way). Each token's
     clipped loss is weighted by w_t = min(exp(old_logp_t - rollout_logp_t), tis_cap), a constant
     (no gradient), as verl's TIS and Hilton et al.'s decoupled PPO do. Without `rollout_logp` it is
-    `clipped_policy_loss`. Returns (per-token loss (T,), per-token clipped indicator (T,) float).
+    `clipped_policy_loss`; given `weights` (the trainer's `spec.grpo.rolloutCorrection`, which
+    replaces tisCap) those are used as they are. Returns (per-token loss (T,), clipped indicator (T,)).
     """
-    loss, clipped = clipped_policy_loss(
-        logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c
+    if weights is None and rollout_logp is not None:
+        weights = truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap)
+    return clipped_policy_loss(
+        logp,
+        old_logp,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+        weights=weights,
     )
-    if rollout_logp is None:
-        return loss, clipped
-    return loss * truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap), clipped
 
 
 def truncated_is_weights(
     old_logp: torch.Tensor, rollout_logp: torch.Tensor, *, tis_cap: float
 ) -> torch.Tensor:
-    """Per-token importance weights π_old/π_rollout, truncated at `tis_cap` and detached. (T,) -> (T,)."""
+    """Per-token importance weights π_old/π_rollout, truncated at `tis_cap` and detached. (T,) -> (T,).
+    0 where either log-prob is -inf (the token is dropped, `in_nucleus`)."""
     if tis_cap <= 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    return torch.exp(clamped_log_ratio(old_logp, rollout_logp)).clamp(max=tis_cap).detach()
+    valid = in_nucleus(old_logp, rollout_logp)
+    log_w = clamped_log_ratio(zero_where_dropped(old_logp, valid), zero_where_dropped(rollout_logp, valid))
+    return (torch.exp(log_w).clamp(max=tis_cap) * valid.to(log_w.dtype)).detach()
 
 
 def clipped_tis_policy_loss_reference(
@@ -250,7 +294,7 @@ def clipped_tis_policy_loss_reference(
 
     base = clipped_policy_loss_reference(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high)
     return [
-        loss * min(math.exp(olp - rlp), tis_cap)
+        loss * min(math.exp(olp - rlp), tis_cap) if math.isfinite(olp) and math.isfinite(rlp) else 0.0
         for loss, olp, rlp in zip(base, old_logp, rollout_logp, strict=True)
     ]
 
@@ -269,12 +313,13 @@ def compute_off_policy_metrics(
     old_logp, rollout_logp, mask: (T,) over the batch's tokens (mask 1.0 on response tokens that
     count); sample_versions: (N,) long, the weights version each sample was generated with. Staleness
     of a sample is `trainer_version - version` (0 = on-policy). IS weights are the untruncated
-    π_old/π_rollout over masked tokens; `truncated_fraction` is the share above `tis_cap`. Returns
+    π_old/π_rollout over masked tokens inside both nuclei; `truncated_fraction` is the share above
+    `tis_cap`. Returns
     0-d tensors named `off_policy/*` (callers call `.item()`); an empty batch gives zeros.
     """
     staleness = (trainer_version - sample_versions).to(torch.float64)
-    keep = mask > 0
-    weights = torch.exp((old_logp - rollout_logp).to(torch.float64))[keep]
+    keep = (mask > 0) & in_nucleus(old_logp, rollout_logp)  # a -inf log-prob: dropped, as in the loss
+    weights = torch.exp((old_logp[keep] - rollout_logp[keep]).to(torch.float64))
     zero = torch.zeros((), dtype=torch.float64)
     return {
         "off_policy/staleness_mean": staleness.mean() if staleness.numel() else zero,
@@ -300,7 +345,11 @@ def compute_off_policy_metrics_reference(
     import math
 
     staleness = [trainer_version - v for v in sample_versions]
-    weights = [math.exp(o - r) for o, r, m in zip(old_logp, rollout_logp, mask, strict=True) if m > 0]
+    weights = [
+        math.exp(o - r)
+        for o, r, m in zip(old_logp, rollout_logp, mask, strict=True)
+        if m > 0 and math.isfinite(o) and math.isfinite(r)
+    ]
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else 0.0
@@ -358,17 +407,22 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: Literal["k1", "
     """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1/k2/k3). (T,) -> (T,).
 
     k3 = exp(ref - logp) - (ref - logp) - 1 is unbiased and non-negative; the log-ratio is clamped to
-    ±20 first and k3 to [-10, 10], as verl does, to keep one outlier token from dominating.
+    ±20 first and k3 to [-10, 10], as verl does, to keep one outlier token from dominating (verl
+    clamps k3's log-ratio only: k1 and k2 here are clamped too, a convention the parity tier asserts).
+    A token outside either nucleus (-inf) gives 0 and no gradient (`in_nucleus`).
     """
-    log_ratio = clamped_log_ratio(logp, ref_logp)
+    if kind not in ("k1", "k2", "k3"):
+        raise ValueError(f"unknown KL estimator {kind!r}; valid names: k1, k2, k3")
+    valid = in_nucleus(logp, ref_logp)
+    log_ratio = clamped_log_ratio(zero_where_dropped(logp, valid), zero_where_dropped(ref_logp, valid))
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
+        out = log_ratio
+    elif kind == "k2":
+        out = 0.5 * log_ratio**2
+    else:
         d = -log_ratio
-        return torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; valid names: k1, k2, k3")
+        out = torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
+    return out * valid.to(out.dtype)
 
 
 # ---- aggregation ---------------------------------------------------------------------------------
@@ -448,13 +502,13 @@ def aggregate_loss_reference(
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-def _seq_mean(values: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """Per-sequence mean of `values` (T,) by `seq_ids` (T,), broadcast back to tokens (T,)."""
+def _seq_mean(values: torch.Tensor, seq_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sequence mean of `values` (T,) by `seq_ids` (T,) over the `valid` tokens (all when None),
+    broadcast back to tokens (T,); a sequence without valid tokens gets 0."""
     n = int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0
-    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values)
-    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(
-        0, seq_ids, torch.ones_like(values)
-    )
+    w = torch.ones_like(values) if valid is None else valid.to(values.dtype)
+    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values * w)
+    counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seq_ids, w)
     return (sums / counts.clamp(min=1.0))[seq_ids]
 
 
@@ -470,26 +524,34 @@ def gspo_policy_loss(
     clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
     rollout_logp: torch.Tensor | None = None,
     tis_cap: float = 2.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"; verl's
     `compute_policy_loss_gspo`): one importance ratio per sequence, the geometric mean of its token
     ratios s_i = exp(mean_t(log π_t − log π_old,t)), clipped per sequence. Token form (GSPO-token):
     s_i,t = sg[s_i] · π_t / sg[π_t], so every token of a sequence carries the same value and the
-    gradient of log π_t. All inputs (T,), `seq_ids` the sequence of each token. With `rollout_logp`
-    (staleness > 0) each token's loss is weighted by the truncated IS weight, as `clipped-tis` does.
-    `clip_ratio_c` is accepted for a uniform call and unused (GSPO has no dual-clip). Returns
-    (per-token loss (T,), clipped indicator (T,) float).
+    gradient of log π_t. All inputs (T,), `seq_ids` the sequence of each token. `weights` (a
+    detached per-token rollout correction) multiply each token's loss; without them, `rollout_logp`
+    (staleness > 0) gives the truncated IS weight at `tis_cap`, as `clipped-tis` does.
+    `clip_ratio_c` is accepted for a uniform call and unused (GSPO has no dual-clip). A token outside
+    either nucleus (-inf: log π − sg[log π] would be NaN) gives 0 and no gradient and is left out of
+    its sequence's mean. Returns (per-token loss (T,), clipped indicator (T,) float).
     """
     del clip_ratio_c
-    seq_log_ratio = _seq_mean(clamped_log_ratio(logp, old_logp), seq_ids)
-    log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.detach(), max=GSPO_LOG_RATIO_MAX)
+    valid = in_nucleus(logp, old_logp)
+    lp, olp = zero_where_dropped(logp, valid), zero_where_dropped(old_logp, valid)
+    seq_log_ratio = _seq_mean(clamped_log_ratio(lp, olp), seq_ids, valid)
+    log_s = torch.clamp(lp - lp.detach() + seq_log_ratio.detach(), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    if rollout_logp is not None:
-        loss = loss * truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap)
-    return loss, (clipped > unclipped).to(logp.dtype)
+    if weights is None and rollout_logp is not None:
+        weights = truncated_is_weights(old_logp, rollout_logp, tis_cap=tis_cap)
+    keep = valid.to(loss.dtype)
+    if weights is not None:
+        keep = keep * weights.detach().to(loss.dtype)
+    return loss * keep, (clipped > unclipped).to(logp.dtype) * valid.to(logp.dtype)
 
 
 register_policy_loss("gspo-tis")(gspo_policy_loss)
@@ -504,14 +566,19 @@ def gspo_policy_loss_reference(
     clip_low: float,
     clip_high: float,
 ) -> list[float]:
-    """Slow per-token reference of `gspo_policy_loss` (losses only, no TIS)."""
+    """Slow per-token reference of `gspo_policy_loss` (losses only, no TIS; 0 for a -inf log-prob)."""
     import math
 
     per_seq: dict[int, list[float]] = {}
     for lp, olp, s in zip(logp, old_logp, seq_ids, strict=True):
-        per_seq.setdefault(s, []).append(min(max(lp - olp, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
+        per_seq.setdefault(s, [])
+        if math.isfinite(lp) and math.isfinite(olp):
+            per_seq[s].append(min(max(lp - olp, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
     out = []
-    for a, s in zip(advantages, seq_ids, strict=True):
+    for lp, olp, a, s in zip(logp, old_logp, advantages, seq_ids, strict=True):
+        if not (math.isfinite(lp) and math.isfinite(olp)):
+            out.append(0.0)
+            continue
         ratio = math.exp(min(sum(per_seq[s]) / len(per_seq[s]), GSPO_LOG_RATIO_MAX))
         out.append(max(-a * ratio, -a * min(max(ratio, 1.0 - clip_low), 1.0 + clip_high)))
     return out
@@ -529,17 +596,26 @@ def ppo_clip_metrics(
     """Per-token indicators of which bound of the PPO clip binds, and the ppo_kl estimate. (T,) each.
 
     `clipped_high`: A > 0 and ρ > 1 + clip_high (the update is stopped from raising π further);
-    `clipped_low`: A < 0 and ρ < 1 − clip_low; `dual_clipped`: A < 0 and ρ > clip_ratio_c;
-    `ppo_kl`: log π_old − log π (k1 of KL(π_old‖π), clamped as the loss clamps it). Callers sum them
-    over tokens (`clipfrac_low`, `clipfrac_high`, `ppo_kl` are token means over the step's updates).
+    `clipped_low`: A < 0 and ρ < 1 − clip_low; `dual_clipped`: A < 0 and the clipped loss above
+    −A·clip_ratio_c, so the dual-clip bound binds (verl's `pg_clipfrac_lower`, computed as verl does);
+    `ppo_kl`: log π_old − log π (k1 of KL(π_old‖π), clamped as the loss clamps it);
+    `out_of_nucleus`: either log-prob is -inf (every other indicator is 0 there). Callers sum them over
+    tokens (`pg_clipfrac_ratio_low`, `pg_clipfrac_ratio_high`, `pg_clipfrac_lower`, `ppo_kl` are token
+    means over the step's updates).
     """
-    log_ratio = clamped_log_ratio(logp, old_logp)
+    valid = in_nucleus(logp, old_logp)
+    v = valid.to(torch.float32)
+    log_ratio = clamped_log_ratio(zero_where_dropped(logp, valid), zero_where_dropped(old_logp, valid))
     ratio = torch.exp(log_ratio)
+    clip_loss = torch.maximum(
+        -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    )
     return {
-        "clipped_high": ((advantages > 0) & (ratio > 1.0 + clip_high)).to(torch.float32),
-        "clipped_low": ((advantages < 0) & (ratio < 1.0 - clip_low)).to(torch.float32),
-        "dual_clipped": ((advantages < 0) & (ratio > clip_ratio_c)).to(torch.float32),
-        "ppo_kl": -log_ratio.to(torch.float32),
+        "clipped_high": ((advantages > 0) & (ratio > 1.0 + clip_high)).to(torch.float32) * v,
+        "clipped_low": ((advantages < 0) & (ratio < 1.0 - clip_low)).to(torch.float32) * v,
+        "dual_clipped": ((advantages < 0) & (clip_loss > -advantages * clip_ratio_c)).to(torch.float32) * v,
+        "ppo_kl": -log_ratio.to(torch.float32) * v,
+        "out_of_nucleus": 1.0 - v,
     }
 
 

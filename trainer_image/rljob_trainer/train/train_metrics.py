@@ -1,10 +1,12 @@
 """One step's training metrics from the ranks' sums, and the guard that fails a diverged run.
 
 Role: `step_training_metrics` turns the per-rank sums `trainer.TrainingRank.train_step` returns into
-the step's metrics (loss, pg_loss and kl as means over the step's optimizer updates; token means of
-clipfrac, clipfrac_low/high, ppo_kl and entropy; the engines' log-prob gap and IS weights;
-`train/skipped_steps`); `SkipGuard` counts optimizer steps skipped in a row for a non-finite
-gradient norm and raises `TrainingDivergedError` at `grpo.maxSkippedSteps`, naming the step and
+the step's metrics (loss, pg_loss, kl and entropy (aggregated as the loss is) as means over the step's
+optimizer updates; token means of pg_clipfrac, pg_clipfrac_lower (the dual-clip fraction, verl's
+name), pg_clipfrac_ratio_low/high (which ratio bound clipped) and ppo_kl; the engines' log-prob gap,
+IS weights and `rollout_corr/*` (`rljob_trainer.train.rollout_correction`);
+`train/skipped_steps`); `SkipGuard` counts optimizer steps skipped in a row for a non-finite gradient
+norm and raises `TrainingDivergedError` at `grpo.maxSkippedSteps`, naming the step and
 the metric (the trainer writes it to the termination log, the operator quotes it). Pure; caller:
 `rljob_trainer.driver`.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rljob_trainer.train import rollout_correction
 
 
 class TrainingDivergedError(RuntimeError):
@@ -31,13 +35,22 @@ def step_training_metrics(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "pg_loss": sum(s["pg_loss"] for s in stats),
         "pg_loss_updates": [sum(u) for u in zip(*(s["pg_loss_updates"] for s in stats), strict=True)],
         "kl": sum(s["kl"] for s in stats),
-        "clipfrac": _ratio(stats, "clipfrac_tokens", "loss_tokens"),
-        "clipfrac_low": _ratio(stats, "clipfrac_low_tokens", "loss_tokens"),
-        "clipfrac_high": _ratio(stats, "clipfrac_high_tokens", "loss_tokens"),
+        "entropy": sum(s["entropy"] for s in stats),
+        # verl's names where they mean the same: pg_clipfrac (the clipped term is the larger),
+        # pg_clipfrac_lower (the dual-clip bound binds, A < 0), ppo_kl (mean log π_old − log π)
+        "pg_clipfrac": _ratio(stats, "pg_clipfrac_tokens", "loss_tokens"),
+        "pg_clipfrac_lower": _ratio(stats, "pg_clipfrac_lower_tokens", "loss_tokens"),
+        # which ratio bound clipped: A < 0 below 1 - clipRatioLow, A > 0 above 1 + clipRatioHigh
+        "pg_clipfrac_ratio_low": _ratio(stats, "pg_clipfrac_ratio_low_tokens", "loss_tokens"),
+        "pg_clipfrac_ratio_high": _ratio(stats, "pg_clipfrac_ratio_high_tokens", "loss_tokens"),
         "ppo_kl": _ratio(stats, "ppo_kl_sum", "loss_tokens"),
-        "entropy": _ratio(stats, "entropy_sum", "loss_tokens"),
-        # mean |trainer - engine| log-prob over response tokens, before any update of the step
-        "rollout/logprob_diff": _ratio(stats, "logprob_diff_sum", "logprob_diff_tokens"),
+        # tokens with a -inf log-prob (outside the trainer's top-p nucleus), dropped from the loss
+        "out_of_nucleus_fraction": _ratio(stats, "out_of_nucleus_tokens", "loss_tokens"),
+        # rollout/logprob_diff (mean |trainer - engine| log-prob, before any update of the step),
+        # rollout/out_of_nucleus_fraction and rollout_corr/* (KL, PPL, chi^2, masked, rejected)
+        **rollout_correction.correction_metrics(
+            {k: sum(float(s.get(f"corr/{k}", 0.0)) for s in stats) for k in rollout_correction.SUM_KEYS}
+        ),
         "off_policy/is_weight_mean": _ratio(stats, "is_weight_sum", "is_weight_tokens"),
         "off_policy/is_weight_max": max(s["is_weight_max"] for s in stats),
         "off_policy/truncated_fraction": _ratio(stats, "is_truncated_tokens", "is_weight_tokens"),

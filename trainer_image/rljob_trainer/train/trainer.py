@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rljob_trainer import config as config_mod
 from rljob_trainer.model import modeling, precision, sampling
 from rljob_trainer.outputs import export
-from rljob_trainer.train import algos, microbatch, packing
+from rljob_trainer.train import algos, microbatch, packing, rollout_correction
 
 
 @dataclass(frozen=True)
@@ -157,21 +157,24 @@ STAT_SUMS: tuple[str, ...] = (
     "loss",
     "pg_loss",
     "kl",
-    "clipfrac_tokens",
-    "clipfrac_low_tokens",
-    "clipfrac_high_tokens",
+    # entropy of the processed sampling distribution, aggregated as the loss is (lossAggregation)
+    "entropy",
+    "pg_clipfrac_tokens",  # the clipped loss is the larger (verl's pg_clipfrac)
+    "pg_clipfrac_ratio_low_tokens",  # A < 0 and ratio < 1 - clipRatioLow
+    "pg_clipfrac_ratio_high_tokens",  # A > 0 and ratio > 1 + clipRatioHigh
+    "pg_clipfrac_lower_tokens",  # the dual-clip bound binds (verl's pg_clipfrac_lower)
     "ppo_kl_sum",
-    "entropy_sum",
+    "out_of_nucleus_tokens",  # a -inf log-prob (outside a top-p nucleus): dropped from the loss
     "loss_tokens",
     "tokens",
-    "logprob_diff_sum",
-    "logprob_diff_tokens",
     # π_old / π_rollout over response tokens with engine log-probs (untruncated), before any update
     "is_weight_sum",
     "is_weight_tokens",
     "is_weight_max",
     "is_truncated_tokens",
     "skipped_updates",
+    # rollout_correction.correction_sums over the tokens with engine log-probs
+    *(f"corr/{k}" for k in rollout_correction.SUM_KEYS),
 )
 
 
@@ -197,6 +200,7 @@ class TrainingRank:
         self.optimizer: torch.optim.Optimizer | None = None
         self._spec = micro_batch_spec(cfg.batching)
         self._pad_id = 0
+        self._correction = correction_of(cfg.grpo)
 
     # ---- setup -----------------------------------------------------------------------------------
     @staticmethod
@@ -390,8 +394,8 @@ class TrainingRank:
         if self._mp is None and self.world_size > 1:
             self._parts()[1].set_requires_gradient_sync(enabled)  # type: ignore[operator]
 
-    def _uses_tis(self) -> bool:
-        return algos.uses_rollout_logprobs(self.cfg.grpo.policy_loss)
+    def _uses_engine_log_probs(self) -> bool:
+        return self._correction is not None
 
     def _fused_old_log_probs(self, mini_batches: Sequence[RankMiniBatch]) -> bool:
         """One update per step: the old log-probs (the proximal policy, the weights the step starts
@@ -416,10 +420,10 @@ class TrainingRank:
         An update whose gradient norm is not finite is skipped (no optimizer step; its gradient is
         dropped) and counted in `skipped_updates`; every rank sees the same reduced norm, so all agree.
 
-        Returns this rank's shares, which the driver sums over ranks: `loss`, `pg_loss`, `kl` (means
-        over the step's updates), token sums (`clipfrac_tokens`, `clipfrac_low_tokens`,
-        `clipfrac_high_tokens`, `ppo_kl_sum`, `entropy_sum` over `loss_tokens`; `tokens`),
-        `logprob_diff_sum` / `logprob_diff_tokens` (|old − engine| over response tokens), the
+        Returns this rank's shares, which the driver sums over ranks: `loss`, `pg_loss`, `kl`, `entropy`
+        (means over the step's updates), token sums (`pg_clipfrac_*_tokens`, `ppo_kl_sum`,
+        `out_of_nucleus_tokens` over `loss_tokens`; `tokens`), the engine's behaviour policy against
+        π_old (`is_weight_*`, and `corr/*`: `rollout_correction.SUM_KEYS`), the
         per-update `pg_loss_updates` list, the replicated `grad_norm` (mean over updates),
         `skipped_updates` and `updates`.
         """
@@ -477,7 +481,7 @@ class TrainingRank:
                 self._mp.zero_grad()
             pg_updates.append(stats["pg_loss"] - before)
         n = max(len(updates), 1)
-        for key in ("loss", "pg_loss", "kl"):
+        for key in ("loss", "pg_loss", "kl", "entropy"):
             stats[key] /= n
         stats["updates"] = len(updates)
         stats["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -487,21 +491,29 @@ class TrainingRank:
     def _rollout_stats(
         self, stats: dict[str, Any], samples: Sequence[TrainSample], old: Sequence[torch.Tensor]
     ) -> None:
-        """|old − engine| log-probs and the untruncated IS weights π_old / π_rollout, before any update."""
-        cap = self.cfg.grpo.tis_cap if self._uses_tis() else None
-        for s, lp in zip(samples, old, strict=True):
-            if not s.rollout_logprobs:
-                continue
-            engine = torch.tensor(s.rollout_logprobs, dtype=torch.float64)
-            lp64 = lp.detach().cpu().double()
-            stats["logprob_diff_sum"] += float((lp64 - engine).abs().sum())
-            stats["logprob_diff_tokens"] += float(len(engine))
-            w = torch.exp(lp64 - engine)
-            stats["is_weight_sum"] += float(w.sum())
-            stats["is_weight_tokens"] += float(w.numel())
+        """The engine's behaviour policy against π_old, before any update: the untruncated IS weights
+        π_old / π_rollout (`off_policy/*`) and the `rollout_correction` sums (|old − engine|, KL, PPL,
+        chi², what the correction truncates, masks or rejects). Tokens with a -inf log-prob (outside
+        the trainer's nucleus) are only counted (`rollout/out_of_nucleus_fraction`)."""
+        pairs = [(s, lp) for s, lp in zip(samples, old, strict=True) if s.rollout_logprobs]
+        if not pairs:
+            return
+        lp64 = torch.cat([lp.detach().cpu().double() for _, lp in pairs])
+        engine = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float64) for s, _ in pairs])
+        seq_ids = torch.cat([torch.full((len(lp),), n, dtype=torch.long) for n, (_, lp) in enumerate(pairs)])
+        mask = torch.ones_like(lp64)
+        sums = rollout_correction.correction_sums(lp64, engine, mask, seq_ids, self._correction)
+        for key, value in sums.items():
+            stats[f"corr/{key}"] += float(value)
+        valid = algos.in_nucleus(lp64, engine)
+        w = torch.exp(lp64[valid] - engine[valid])
+        stats["is_weight_sum"] += float(w.sum())
+        stats["is_weight_tokens"] += float(w.numel())
+        if w.numel():
             stats["is_weight_max"] = max(stats["is_weight_max"], float(w.max()))
-            if cap is not None:
-                stats["is_truncated_tokens"] += float((w > cap).sum())
+        c = self._correction
+        if c is not None and c.is_level is not None and c.is_mode == "truncate":
+            stats["is_truncated_tokens"] += float(sums["is_high_tokens"])
 
     def _micro_batch_loss(
         self,
@@ -541,17 +553,19 @@ class TrainingRank:
             "token_sum_norm": self.cfg.lengths.max_response_tokens,
         }
         extra: dict[str, Any] = {"clip_ratio_c": g.clip_ratio_c}
-        if self._uses_tis():
-            # The engine's log-probs (the behaviour policy); a sample without them weighs 1.
-            extra["rollout_logp"] = torch.cat(
+        if self._correction is not None:
+            # The engine's log-probs (the behaviour policy); a sample without them weighs as on-policy.
+            rollout_lp = torch.cat(
                 [
                     torch.tensor(s.rollout_logprobs, dtype=logp.dtype, device=logp.device)
                     if s.rollout_logprobs
-                    else old_lp[seq_ids == n]
+                    else old_lp[seq_ids == n].detach()
                     for n, s in enumerate(mb)
                 ]
             )
-            extra["tis_cap"] = g.tis_cap
+            extra["weights"] = rollout_correction.correction_weights(
+                old_lp.detach(), rollout_lp, mask, seq_ids, self._correction
+            )["weight"].to(logp.dtype)
         if algos.needs_seq_ids(g.policy_loss):
             extra["seq_ids"] = seq_ids
         per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high, **extra)
@@ -573,11 +587,15 @@ class TrainingRank:
         )
         stats["loss"] += float(loss.detach())
         stats["pg_loss"] += float(pg.detach())
-        stats["clipfrac_tokens"] += float(clipped.sum())
-        stats["clipfrac_low_tokens"] += float(clip["clipped_low"].sum())
-        stats["clipfrac_high_tokens"] += float(clip["clipped_high"].sum())
+        if ents is not None:  # aggregated as the loss is, as verl's actor/entropy is
+            ent = torch.cat(ents).to(mask.dtype)
+            stats["entropy"] += float(algos.aggregate_loss(ent, mask, seq_ids, **agg))
+        stats["pg_clipfrac_tokens"] += float(clipped.sum())
+        stats["pg_clipfrac_ratio_low_tokens"] += float(clip["clipped_low"].sum())
+        stats["pg_clipfrac_ratio_high_tokens"] += float(clip["clipped_high"].sum())
+        stats["pg_clipfrac_lower_tokens"] += float(clip["dual_clipped"].sum())
         stats["ppo_kl_sum"] += float(clip["ppo_kl"].sum())
-        stats["entropy_sum"] += float(torch.cat(ents).sum()) if ents is not None else 0.0
+        stats["out_of_nucleus_tokens"] += float(clip["out_of_nucleus"].sum())
         stats["loss_tokens"] += float(clipped.numel())
         stats["tokens"] += float(sum(s.length for s in mb))
         return loss
@@ -646,6 +664,23 @@ class TrainingRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def correction_of(g: config_mod.GRPOSettings) -> rollout_correction.Correction | None:
+    """The rollout correction a job's GRPO settings ask for (`GRPOSettings.effective_rollout_correction`:
+    spec.grpo.rolloutCorrection, else a '*-tis' loss's token TIS at tisCap), or None."""
+    c = g.effective_rollout_correction()
+    if c is None:
+        return None
+    return rollout_correction.Correction(
+        is_level=c.is_level,
+        is_mode=c.is_mode,
+        is_lower=c.is_lower,
+        is_upper=c.is_upper,
+        reject_level=c.reject_level,
+        reject_lower=c.reject_lower,
+        reject_upper=c.reject_upper,
+    )
 
 
 def split_evenly(n: int, parts: int) -> list[int]:
