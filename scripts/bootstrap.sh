@@ -73,6 +73,10 @@ if [ ! -f "$server_stamp" ] || [ "$(cat "$server_stamp")" != "$want" ]; then
   echo "$want" >"$server_stamp"
 fi
 
+# verl's own core_algos for the peer-parity tier (tests/peer/), in .venv-verl/: never in .venv nor in
+# the images (scripts/peer_env.sh says why and how; ~25 MB, seconds when its stamp matches).
+scripts/peer_env.sh
+
 if ! command -v go >/dev/null 2>&1; then
   echo "bootstrap: Go is needed to build the local control plane (kube-apiserver, etcd, ...)" >&2
   exit 1
