@@ -49,6 +49,12 @@ No ratio is printed from a degenerate regime; the last line then says why (`pipe
 than 1.6x apart after calibration, step times that scatter (coefficient of variation above 0.25), or
 a parallel capacity below 1.6 (fewer than two free cores).
 
+`--corrections` runs something else instead (docs/numerics.md has its table): the toy task learning
+(2-layer model, answers of up to 4 tokens, learning rate 3e-3) at maxStaleness 2 under each rollout
+correction (`spec.grpo.rolloutCorrection`), one Ray run each, and a table of the drift between the
+engine's policy and the trainer's (|log-prob gap|, KL, chi^2, what the correction truncated, masked or
+rejected) and the reward (first and last ten steps). It skips the calibration and the throughput runs.
+
 Run: `.venv/bin/python bench/pipeline.py [--quick] [--staleness 1,2] [--partial] [--json]`. The last
 line is exactly
 `pipeline: sync X steps/h, async Y steps/h, ratio R, ideal I, efficiency E, staleness max K`
@@ -500,6 +506,143 @@ def parallel_capacity(rounds: int = 12000) -> float:
     return statistics.median(once() for _ in range(3))
 
 
+# ---- rollout corrections at maxStaleness 2 (--corrections) -------------------------------------------
+# (label, the trainer config's grpo settings): what `spec.grpo.rolloutCorrection` renders to.
+CORRECTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("none", {"policyLoss": "clipped"}),
+    ("token TIS 2 (tisCap, default)", {"policyLoss": "clipped-tis", "tisCap": 2.0}),
+    ("sequence TIS 2", {"rolloutCorrection": {"isLevel": "sequence"}}),
+    ("geometric TIS 2", {"rolloutCorrection": {"isLevel": "geometric"}}),
+    ("IcePop [0.5, 5]", {"rolloutCorrection": {"isMode": "mask", "isLower": 0.5, "isUpper": 5.0}}),
+    (
+        "sequence MIS [0.5, 2]",
+        {"rolloutCorrection": {"isLevel": "sequence", "isMode": "mask", "isLower": 0.5, "isUpper": 2.0}},
+    ),
+    (
+        "token rejection [0.5, 2]",
+        {
+            "rolloutCorrection": {
+                "isLevel": None,
+                "rejectLevel": "token",
+                "rejectLower": 0.5,
+                "rejectUpper": 2.0,
+            }
+        },
+    ),
+    (
+        "geometric rejection [0.95, 1.05] + token TIS",
+        {"rolloutCorrection": {"rejectLevel": "geometric", "rejectLower": 0.95, "rejectUpper": 1.05}},
+    ),
+)
+CORRECTION_STALENESS = 2
+
+
+def correction_config(grpo: dict[str, Any], *, steps: int, seed: int) -> config.TrainerConfig:
+    """The toy task learning at maxStaleness 2 on one rank and one dedicated engine (Ray)."""
+    return config.parse_config(
+        {
+            "model": {
+                "name": "tiny-qwen2",
+                "source": "tiny",
+                "hfConfig": modeling.tiny_hf_config(32),
+                "dtype": "float32",
+                "tokenizer": "builtin-digits",
+                "finetune": "full",
+            },
+            "lengths": {"maxPromptTokens": 8, "maxResponseTokens": 4},
+            "grpo": {
+                "groupSize": 8,
+                "promptsPerStep": 16,
+                "maxSteps": steps,
+                "learningRate": 3e-3,
+                "seed": seed,
+                "maxStaleness": CORRECTION_STALENESS,
+                **grpo,
+            },
+            "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": 512},
+            "rollout": {
+                "kind": "transformers",
+                "sharedEngines": 0,
+                "dedicatedEngines": 1,
+                "maxDedicatedEngines": 1,
+                "engineNumCpus": 1,
+            },
+            "data": {"builtin": "toy-arithmetic"},
+            "rewards": [{"name": "mathAccuracy"}],
+            "telemetry": {"enabled": False, "prometheusPort": None},
+            "distributed": {
+                "numTrainerRanks": 1,
+                "launcher": "ray",
+                "torchThreadsPerRank": 1,
+                "rankNumCpus": 1,
+            },
+            "export": {"final": False, "everyCheckpoint": False},
+        }
+    )
+
+
+def correction_row(label: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One table row: the drift and what the correction did (means over every step but the first),
+    and the reward over the first and the last ten steps, pooled over the seeds' runs."""
+    timed = [r for rows in runs for r in rows[1:]]
+
+    def mean(key: str, rows: list[dict[str, Any]] | None = None) -> float:
+        vals = [float(r.get(key, 0.0)) for r in (timed if rows is None else rows)]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    fraction = max(
+        mean("rollout_corr/rollout_is_ratio_fraction_high") if "TIS" in label else 0.0,
+        mean("rollout_corr/rollout_is_oob_ratio"),
+        mean("rollout_corr/rollout_rs_masked_fraction"),
+    )
+    return {
+        "correction": label,
+        "staleness_mean": mean("rollout/staleness_mean"),
+        "logprob_diff": mean("rollout/logprob_diff"),
+        "kl": mean("rollout_corr/kl"),
+        "chi2_token": mean("rollout_corr/chi2_token"),
+        "ppl_ratio": mean("rollout_corr/ppl_ratio"),
+        "acted_fraction": fraction,
+        "is_weight_mean": mean("rollout_corr/rollout_is_mean"),
+        "reward_first10": mean("mean_reward", [r for rows in runs for r in rows[:10]]),
+        "reward_last10": mean("mean_reward", [r for rows in runs for r in rows[-10:]]),
+        "out_of_nucleus": mean("rollout/out_of_nucleus_fraction"),
+    }
+
+
+def corrections_table(*, steps: int, seeds: list[int], log: Any) -> list[dict[str, Any]]:
+    """Each correction's row (see `correction_row`), after one Ray run per seed."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rljob-bench-corrections-") as tmp:
+        for i, (label, grpo) in enumerate(CORRECTIONS):
+            runs = [
+                run(correction_config(grpo, steps=steps, seed=s), Path(tmp), f"corr-{i}-{s}") for s in seeds
+            ]
+            rows.append(correction_row(label, runs))
+            log(f"corrections: {label}: {rows[-1]}")
+    return rows
+
+
+def render_corrections(rows: list[dict[str, Any]], *, steps: int, seeds: list[int]) -> str:
+    """The rows as the markdown table docs/numerics.md carries."""
+    head = (
+        "| correction | staleness mean | mean abs log-prob gap | KL(rollout‖old) | chi² token | PPL ratio "
+        "| truncated / masked / rejected | mean IS weight | reward steps 1-10 | reward last 10 |"
+    )
+    lines = [
+        f"maxStaleness {CORRECTION_STALENESS}, {steps} steps, seeds {','.join(map(str, seeds))}:",
+        head,
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['correction']} | {r['staleness_mean']:.2f} | {r['logprob_diff']:.4f} | {r['kl']:.4f} "
+            f"| {r['chi2_token']:.4f} | {r['ppl_ratio']:.3f} | {r['acted_fraction']:.3f} "
+            f"| {r['is_weight_mean']:.3f} | {r['reward_first10']:.3f} | {r['reward_last10']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---- main ------------------------------------------------------------------------------------------
 def _describe(name: str, ph: Phases) -> str:
     return (
@@ -527,7 +670,21 @@ def main() -> None:
         help="batching.maxTokensPerMicroBatch: a packed row's tokens",
     )
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    p.add_argument(
+        "--corrections",
+        action="store_true",
+        help="instead: the toy task at maxStaleness 2 under each rollout correction, a table of drift and "
+        "reward (--steps default 60, --seeds)",
+    )
+    p.add_argument("--seeds", default="1", help="with --corrections: the seeds, comma-separated")
     args = p.parse_args()
+    if args.corrections:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        rows = corrections_table(steps=args.steps or 60, seeds=seeds, log=print)
+        if args.json:
+            print(json.dumps(rows))
+        print(render_corrections(rows, steps=args.steps or 60, seeds=seeds))
+        return
     steps = args.steps or (8 if args.quick else 18)
     staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     if not staleness or min(staleness) < 1:

@@ -137,3 +137,32 @@ def test_contention_names_the_phases_slowdown_and_what_the_pipeline_hid(bench: M
     line = bench.contention(alone, together)
     assert "generation took x1.10 and training x1.67" in line
     assert "are 1.00 of the overlapped step" in line  # (max(1.1, 1.5) + 0.1) / 1.6
+
+
+def test_every_correction_of_the_corrections_table_is_a_valid_trainer_config(bench: ModuleType) -> None:
+    seen = set()
+    for label, grpo in bench.CORRECTIONS:
+        g = bench.correction_config(grpo, steps=5, seed=1).grpo
+        assert g.max_staleness == 2 and g.learning_rate == 3e-3, label
+        eff = g.effective_rollout_correction()
+        key = None if eff is None else eff.model_dump_json()
+        assert key not in seen, f"{label}: the same correction twice"
+        seen.add(key)
+    assert None in seen  # the uncorrected baseline is in the table
+
+
+def test_a_corrections_row_pools_seeds_and_counts_what_the_correction_did(bench: ModuleType) -> None:
+    def rows(reward: float, masked: float) -> list[dict[str, float]]:
+        return [
+            {"mean_reward": reward * (i + 1), "rollout/logprob_diff": 0.1, "rollout_corr/kl": 0.02,
+             "rollout/staleness_mean": 2.0, "rollout_corr/rollout_is_oob_ratio": masked}
+            for i in range(12)
+        ]  # fmt: skip
+
+    row = bench.correction_row("IcePop [0.5, 5]", [rows(0.01, 0.1), rows(0.02, 0.3)])
+    assert row["acted_fraction"] == pytest.approx(0.2) and row["kl"] == pytest.approx(0.02)
+    assert row["reward_first10"] == pytest.approx(0.015 * 5.5)  # steps 1-10 of both seeds
+    assert row["reward_last10"] == pytest.approx(0.015 * 7.5)  # steps 3-12
+    table = bench.render_corrections([row], steps=12, seeds=[1, 2])
+    assert table.splitlines()[0] == "maxStaleness 2, 12 steps, seeds 1,2:"
+    assert "| IcePop [0.5, 5] | 2.00 | 0.1000 | 0.0200 |" in table

@@ -121,3 +121,22 @@ def test_the_eval_reward_is_plotted_at_the_steps_that_evaluated() -> None:
     # (one render per process, as the CLI does: plotext 5.3 keeps subplot state across figures)
     text = console.render_status(view, now=NOW, width=80)
     assert "eval" in text and "train" in text  # both curves in the reward panel, with a legend
+
+
+def test_text_shows_the_last_steps_numerics_by_verls_names_and_null_as_a_dash() -> None:
+    numerics = {"entropy": 1.25, "pg_clipfrac": 0.03, "pg_clipfrac_lower": 0.004, "ppo_kl": float("nan")}
+    numerics |= {
+        "rollout/logprob_diff": 0.12,
+        "rollout_corr/kl": 0.02,
+        "rollout_corr/rollout_is_oob_ratio": 0.01,
+    }
+    last = _report(2, 0.3).model_copy(update={"numerics": numerics})
+    last = telemetry.SyncReport.model_validate(last.model_dump(by_alias=True))  # through JSON's rules
+    assert last.numerics["ppo_kl"] is None  # not finite: null, as the loss
+    text = console.render_status(console.build_status_view(RLJOB, [_report(1, 0.1), last], []), now=NOW)
+    assert "Numerics (step 2):" in text
+    assert "entropy 1.25, ppo_kl -, pg_clipfrac 0.03, pg_clipfrac_lower (dual-clip) 0.004" in text
+    assert "engine vs trainer: |log-prob gap| 0.12, KL(rollout||trainer) 0.02" in text
+    assert "IS masked 0.01" in text
+    old_driver = console.render_status(console.build_status_view(RLJOB, [_report(1, 0.1)], []), now=NOW)
+    assert "Numerics" not in old_driver

@@ -651,6 +651,7 @@ class GRPODriver:
             generation_engines=int(metrics["rollout/generation_engines"]),
             prefill_engine_s=metrics.get("rollout/prefill_engine_s"),
             decode_engine_s=metrics.get("rollout/decode_engine_s"),
+            numerics={k: metrics[k] for k in telemetry.NUMERICS_KEYS if k in metrics},
         )
         self._resume_note = None
         self.pipeline.trainer_wait_s = 0.0

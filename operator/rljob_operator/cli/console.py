@@ -182,6 +182,41 @@ ROLLOUT = (
 )
 
 
+# The last step's update numerics (SyncReport.numerics, verl's metric names where they mean the same).
+NUMERICS = (
+    ("entropy", "entropy"),
+    ("ppo_kl", "ppo_kl"),
+    ("pg_clipfrac", "pg_clipfrac"),
+    ("pg_clipfrac_lower (dual-clip)", "pg_clipfrac_lower"),
+    ("out of nucleus", "out_of_nucleus_fraction"),
+)
+ROLLOUT_NUMERICS = (
+    ("|log-prob gap|", "rollout/logprob_diff"),
+    ("KL(rollout||trainer)", "rollout_corr/kl"),
+    ("PPL ratio", "rollout_corr/ppl_ratio"),
+    ("chi2", "rollout_corr/chi2_token"),
+    ("IS masked", "rollout_corr/rollout_is_oob_ratio"),
+    ("rejected", "rollout_corr/rollout_rs_masked_fraction"),
+)
+
+
+def _numerics_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The latest report's update numerics and engine-vs-trainer drift (none from an older driver)."""
+    last = (history[-1].get("numerics") or {}) if history else {}
+    if not last:
+        return []
+
+    def show(key: str) -> str:
+        value = last.get(key)
+        return "-" if value is None else f"{value:.4g}"
+
+    return [
+        f"Numerics (step {history[-1].get('step', '-')}):",
+        "  " + ", ".join(f"{label} {show(key)}" for label, key in NUMERICS),
+        "  engine vs trainer: " + ", ".join(f"{label} {show(key)}" for label, key in ROLLOUT_NUMERICS),
+    ]
+
+
 def _fields(obj: Mapping[str, Any], fields: Sequence[tuple[str, str]]) -> str:
     return "  " + ", ".join(f"{label} {obj.get(key, '-')}" for label, key in fields)
 
@@ -219,6 +254,7 @@ def render_status(view: Mapping[str, Any], *, now: datetime, width: int = 100, p
         "Rollout:",
         _fields(roll, ROLLOUT),
         *_elastic_lines(roll),
+        *_numerics_lines(view["history"]),
         "",
         "Conditions:",
     ]

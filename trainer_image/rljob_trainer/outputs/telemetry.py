@@ -18,6 +18,22 @@ REPORTS_KEY = "reports.json"
 MAX_REPORTS = 32
 
 
+# The step metrics a SyncReport carries in `numerics` (rljob_trainer.train.train_metrics names them).
+NUMERICS_KEYS: tuple[str, ...] = (
+    "entropy",
+    "ppo_kl",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "out_of_nucleus_fraction",
+    "rollout/logprob_diff",
+    "rollout_corr/kl",
+    "rollout_corr/ppl_ratio",
+    "rollout_corr/chi2_token",
+    "rollout_corr/rollout_is_oob_ratio",
+    "rollout_corr/rollout_rs_masked_fraction",
+)
+
+
 class SyncReport(BaseModel):
     """What happened over the interval that ended at one weight-sync point.
 
@@ -130,11 +146,24 @@ class SyncReport(BaseModel):
         description="Experiment trackers (W&B, MLflow) that could not start or failed, with the cause.",
     )
 
+    numerics: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="The step's update numerics by metric name (NUMERICS_KEYS: verl's names where they mean "
+        "the same); null when not finite. `rljob status` shows the latest.",
+    )
+
     @field_validator("mean_reward", "loss", "eval_mean_reward", mode="before")
     @classmethod
     def _finite_or_null(cls, value: object) -> object:
         if isinstance(value, (int, float)) and not math.isfinite(float(value)):
             return None
+        return value
+
+    @field_validator("numerics", mode="before")
+    @classmethod
+    def _finite_numerics(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: cls._finite_or_null(v) for k, v in value.items()}
         return value
 
     @property
