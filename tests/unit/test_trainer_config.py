@@ -145,6 +145,7 @@ def test_sync_report_json_is_camel_case():
         "generationEngines",
         "prefillEngineS",
         "decodeEngineS",
+        "numerics",
     }
 
 
