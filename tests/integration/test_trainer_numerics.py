@@ -156,3 +156,40 @@ def test_the_default_tis_cap_is_the_one_truncated_fraction_counts_against() -> N
     sample = trainer.TrainSample(prompt, response, 1.0, rollout_logprobs=tuple(x - 2.0 for x in old))
     stats = rank.train_step([trainer.RankMiniBatch((sample,), 1, len(response))])
     assert stats["is_truncated_tokens"] == len(response), stats["is_truncated_tokens"]
+
+
+@pytest.mark.parametrize("policy_loss", ["clipped-tis", "gspo-tis"])
+def test_a_token_outside_the_trainers_nucleus_trains_finite_in_one_fused_update(policy_loss: str) -> None:
+    """The issue's case on the real rank: bf16, topP 0.7, one fused update (old = the training
+    forward's own log-probs), a KL reference, and a sampled token outside the trainer's nucleus
+    (log-prob -inf on the policy, the old policy and the reference). Before: NaN loss, pg_loss, ppo_kl
+    and kl, an infinite logprob_diff. Now every metric is finite, the update steps (not skipped), and
+    the token is counted as dropped."""
+    cfg = _local(
+        model={"dtype": "bfloat16"},
+        grpo={"topP": 0.7, "policyLoss": policy_loss, "maxStaleness": 1, "klCoef": 0.1},
+    )
+    rank = trainer.TrainingRank(cfg, 0, 1)
+    rank.setup("127.0.0.1", 0)
+    prompt = (3, 4, 5, 6)
+    candidates = list(range(2, 19))
+    lps = rank.compute_log_probs([trainer.TrainSample(prompt, (t,), 0.0) for t in candidates])
+    outside = [t for t, (lp,) in zip(candidates, lps, strict=True) if lp == float("-inf")]
+    inside = [t for t, (lp,) in zip(candidates, lps, strict=True) if math.isfinite(lp)]
+    assert outside and inside, lps
+    samples = (
+        trainer.TrainSample(prompt, (outside[0],), 1.0, rollout_logprobs=(-2.5,)),
+        trainer.TrainSample(prompt, (inside[0],), -1.0, rollout_logprobs=(-1.0,)),
+    )
+    stats = rank.train_step([trainer.RankMiniBatch(samples, 2, 2)])
+    m = train_metrics.step_training_metrics([stats])
+    numbers = {k: v for k, v in m.items() if isinstance(v, float)}
+    assert all(math.isfinite(v) for v in numbers.values()), {
+        k: v for k, v in numbers.items() if not math.isfinite(v)
+    }
+    assert stats["skipped_updates"] == 0 and math.isfinite(stats["grad_norm"])
+    assert m["out_of_nucleus_fraction"] == pytest.approx(0.5)  # one of the two tokens: dropped
+    assert m["rollout/out_of_nucleus_fraction"] == pytest.approx(0.5)
+    assert m["rollout/logprob_diff"] == pytest.approx(
+        abs(lps[candidates.index(inside[0])][0] + 1.0), abs=2e-2
+    )
