@@ -96,6 +96,36 @@ def test_minimal_spec_gets_the_model_defaults_from_the_server(
     assert stored["resources"]["acceleratorsPerNode"] == 8 and stored["grpo"]["groupSize"] == 8
 
 
+@pytest.mark.parametrize(
+    "correction",
+    [
+        {},
+        {"importanceSampling": {"level": "token", "mode": "mask", "lower": 0.5, "upper": 5.0}},
+        {
+            "importanceSampling": {"level": "none"},
+            "rejection": {"level": "geometric", "lower": 0.99, "upper": 1.01},
+        },
+    ],
+    ids=["empty", "icepop", "geometric-rejection"],
+)
+def test_a_rollout_correction_applies_with_the_models_defaults(
+    cluster: Any, rljob_crd: dict[str, Any], shared_namespace: str, correction: dict[str, Any]
+) -> None:
+    """spec.grpo.rolloutCorrection: what the apiserver stores (its defaults filled in) is what the
+    models say, so `{}` means token-level truncated IS at 2 on both sides."""
+    manifest = _tiny()
+    manifest["metadata"]["name"] = f"rc-{uuid.uuid4().hex[:8]}"
+    manifest["spec"].setdefault("grpo", {})["rolloutCorrection"] = correction
+    cluster.kubectl("apply", "-n", shared_namespace, "-f", "-", input=json.dumps(manifest))
+    try:
+        stored = _get(cluster, shared_namespace, manifest["metadata"]["name"])["spec"]
+        assert stored == api.RLJobSpec.model_validate(manifest["spec"]).to_k8s()
+        imp = stored["grpo"]["rolloutCorrection"]["importanceSampling"]
+        assert imp["upper"] == correction.get("importanceSampling", {}).get("upper", 2.0)
+    finally:
+        cluster.kubectl("delete", "rljob", manifest["metadata"]["name"], "-n", shared_namespace, check=False)
+
+
 @pytest.mark.parametrize("case", cases.INVALID_CASES, ids=lambda c: c.id)
 def test_kubectl_apply_refuses_invalid_manifest_naming_the_field(
     cluster: Any, shared_namespace: str, case: cases.InvalidCase
