@@ -191,6 +191,12 @@ INVALID_CASES: list[InvalidCase] = [
         "cannot be served by vLLM engines",
     ),
     InvalidCase(
+        "cel-cpu-vllm-head-size",
+        {"spec.model.config.inline.head_dim": 16, "spec.resources.rollout": {"kind": "vllm"}},
+        "spec.model.config.inline.head_dim",
+        "head size vLLM's CPU attention cannot run",
+    ),
+    InvalidCase(
         "cel-reward-module-required",
         {"spec.reward.functions.0": {"name": "module"}},
         "spec.reward.functions[0].module",

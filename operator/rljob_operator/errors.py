@@ -84,6 +84,13 @@ class ModelDoesNotFitError(EstimatorError):
     reason = "ModelDoesNotFit"
 
 
+class UnsupportedHeadSizeError(EstimatorError):
+    """The rollout engine cannot run the model's attention head size on this pool (vLLM's CPU attention
+    takes a fixed list): a model with a supported head size, or another engine, fixes it."""
+
+    reason = "UnsupportedHeadSize"
+
+
 class KVCacheTooSmallError(EstimatorError):
     """The weights fit but leave less KV cache than one sequence of max_model_len needs."""
 

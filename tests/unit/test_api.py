@@ -20,7 +20,7 @@ import pydantic
 import pytest
 import rljob_api_cases as cases
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rljob_operator import api
@@ -265,6 +265,53 @@ def test_explain_text_carries_defaults_and_ranges() -> None:
     assert "Default: 8." in node["description"] and ">= 1 and <= 64" in node["description"]
 
 
+def test_explain_text_of_the_rollout_engine_names_both_engines_and_the_cpu_head_sizes() -> None:
+    rollout = _crd_schema()["properties"]["spec"]["properties"]["resources"]["properties"]["rollout"]
+    kind = rollout["properties"]["kind"]
+    assert kind["enum"] == ["vllm", "transformers"] and kind["default"] == "vllm"
+    assert "CPU pools included" in kind["description"] and "Default: vllm." in kind["description"]
+    assert ", ".join(map(str, api.VLLM_CPU_ATTENTION_HEAD_SIZES)) in kind["description"]
+    assert api.RolloutSpec().kind == "vllm"
+
+
+def test_the_operators_cpu_head_sizes_are_the_trainers() -> None:
+    """The operator may not import the trainer's engines (import contract): its own copy of vLLM
+    0.32's CPU attention head sizes must equal the list the trainer's platform probe keeps."""
+    from rljob_trainer.engines import platform
+
+    assert api.VLLM_CPU_ATTENTION_HEAD_SIZES == platform.CPU_ATTENTION_HEAD_SIZES
+
+
+@pytest.mark.parametrize(
+    ("inline", "kind", "engine", "valid"),
+    [
+        ({"head_dim": 16}, "cpu", "vllm", False),
+        ({"head_dim": 16}, "cpu", "transformers", True),
+        ({"head_dim": 16}, "nvidia", "vllm", True),
+        ({"head_dim": 32}, "cpu", "vllm", True),
+        ({"head_dim": 16, "text_config": {"head_dim": 64}}, "cpu", "vllm", True),  # the planner reads it
+        ({"hidden_size": 64, "num_attention_heads": 4}, "cpu", "vllm", True),  # derived: the planner's
+    ],
+)
+def test_an_inline_head_size_vllms_cpu_attention_refuses_is_refused_at_apply(
+    inline: dict[str, Any], kind: str, engine: str, valid: bool
+) -> None:
+    spec = copy.deepcopy(MINIMAL_SPEC)
+    spec["model"]["config"]["inline"] = {"model_type": "qwen2", **inline}
+    spec["resources"]["accelerator"] = {"kind": kind, **({"model": "H100-80GB"} if kind != "cpu" else {})}
+    spec["resources"]["rollout"] = {"kind": engine}
+    if valid:
+        api.RLJobSpec.model_validate(spec)
+        return
+    with pytest.raises(pydantic.ValidationError) as info:
+        api.RLJobSpec.model_validate(spec)
+    message = str(info.value)
+    assert (
+        "spec.model.config.inline.head_dim" in message
+        and "set spec.resources.rollout.kind to transformers" in message
+    )
+
+
 def test_every_cel_rule_of_the_models_is_in_the_crd() -> None:
     in_crd = {
         v["rule"]
@@ -342,6 +389,22 @@ def test_every_cel_rule_has_an_invalid_case() -> None:
 
 # ---- CEL text and Python checks agree ----------------------------------------------------------
 
+# Inline config.json drawn for the spec's head-size rule; sizes vLLM's CPU attention refuses (16, 24,
+# 48) are most of them, since a draw is a cpu job with rollout.kind vllm and an inline config only
+# about 1 time in 25.
+INLINE_CONFIGS: list[dict[str, Any]] = [
+    {"head_dim": 16},
+    {"head_dim": 24, "hidden_size": 96},
+    {"head_dim": 16, "num_attention_heads": 4},
+    {"head_dim": 48},
+    {"head_dim": 16, "hidden_size": 64},
+    {"head_dim": 24},
+    {"head_dim": 64},
+    {"head_dim": 16, "text_config": {"head_dim": 16}},
+    {"hidden_size": 64, "num_attention_heads": 4},
+    {"head_dim": 0},
+]
+
 
 def _strategy_for(annotation: Any, depth: int = 0) -> st.SearchStrategy[Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -363,6 +426,8 @@ def _strategy_for(annotation: Any, depth: int = 0) -> st.SearchStrategy[Any]:
         return st.sampled_from(["a", "b"])
     if origin is list:
         return st.lists(_strategy_for(args[0], depth + 1), max_size=2)
+    if origin is dict and args == (str, Any):  # an inline config.json: the head-size rule reads it
+        return st.sampled_from(INLINE_CONFIGS)
     if origin is dict:
         return st.just({})
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
@@ -376,6 +441,16 @@ def _model_strategy(model: type[pydantic.BaseModel], depth: int = 0) -> st.Searc
     return st.fixed_dictionaries(fields).map(lambda values: model.model_construct(**values))
 
 
+def _rare_cases(model: type[api.base._Model]) -> list[Any]:
+    """Unvalidated objects on which a rare rule is false, checked besides the random draws (a cpu
+    job with rollout.kind vllm and an inline config is about 1 draw in 25, and draws come in runs)."""
+    if model is not api.RLJobSpec:
+        return []
+    spec = api.RLJobSpec.model_validate(MINIMAL_SPEC)
+    config = api.ModelConfigSource.model_construct(inline={"model_type": "qwen2", "head_dim": 16})
+    return [spec.model_copy(update={"model": spec.model.model_copy(update={"config": config})})]
+
+
 @pytest.mark.parametrize("model", _rule_models(), ids=lambda m: m.__name__)
 def test_cel_and_python_checks_agree(model: type[api.base._Model]) -> None:
     celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CEL rules offline")
@@ -383,8 +458,9 @@ def test_cel_and_python_checks_agree(model: type[api.base._Model]) -> None:
     programs = [(rule, env.program(env.compile(rule.rule))) for rule in model.cel_rules]
     outcomes: set[tuple[int, bool]] = set()
 
-    # The spec's rules are conjunctions over several fields (lora rank above vLLM's limit on a non-cpu
-    # job syncing adapters): more draws, so both outcomes of each are reached whatever the seed.
+    # The spec's rules are conjunctions over several fields (lora rank above vLLM's limit on a vLLM
+    # job syncing adapters; an inline head_dim vLLM's CPU attention refuses on a cpu pool, also seeded
+    # by `_rare_cases`): more draws, so both outcomes of each are reached whatever the seed.
     examples = 250 if model is api.RLJobSpec else 80
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -398,6 +474,8 @@ def test_cel_and_python_checks_agree(model: type[api.base._Model]) -> None:
             )
             outcomes.add((i, by_cel))
 
+    for case in _rare_cases(model):
+        check = example(case)(check)
     check()
     # The random objects reached both outcomes of every rule, or the comparison proves little.
     assert outcomes == {(i, b) for i in range(len(programs)) for b in (True, False)}

@@ -128,9 +128,9 @@ def test_accelerator_resource_names(kind: str, resource: str | None) -> None:
     trainer, rollout = all_objects(spec)[0], all_objects(spec)[-1]
     for pod, amount in ((trainer, "8"), (rollout, "4")):
         res = pod["spec"]["containers"][0]["resources"]
-        if resource is None:
+        if resource is None:  # a cpu job's defaults: vLLM's CPU engine needs more than 2Gi (api)
             assert not any("/" in k for k in res["requests"])
-            assert res["requests"] == {"cpu": "1", "memory": "2Gi"}
+            assert res["requests"] == {"cpu": "1", "memory": "6Gi"} == res["limits"]
         else:
             assert res["requests"][resource] == amount == res["limits"][resource]
             assert "cpu" not in res["requests"]
@@ -432,19 +432,28 @@ def test_reward_modules_by_import_path_file_configmap_and_pvc() -> None:
     assert "reward-0" not in volumes and "reward-1" not in volumes
 
 
-@pytest.mark.parametrize("kind", ["nvidia", "cpu"])
-def test_lora_jobs_sync_only_the_adapter_unless_told_merged(kind: str) -> None:
-    """LoRA (the default mode): engines serve the adapter, and vLLM engines sleep at level 1 (level 2
-    would discard the base they cannot reload); loraSync merged or full fine-tuning: all weights."""
+@pytest.mark.parametrize(("kind", "engine"), [("nvidia", "vllm"), ("cpu", "vllm"), ("cpu", "transformers")])
+def test_lora_jobs_sync_only_the_adapter_unless_told_merged(kind: str, engine: str) -> None:
+    """LoRA (the default mode): engines serve the adapter, and vLLM engines (CPU ones too) sleep at
+    level 1 (level 2 would discard the base they cannot reload); loraSync merged or full fine-tuning:
+    all weights."""
     accel = {"kind": "cpu"} if kind == "cpu" else {"kind": "nvidia", "model": "H100-80GB"}
-    lora = make_spec(**{"resources.accelerator": accel})
+    lora = make_spec(**{"resources.accelerator": accel, "resources.rollout": {"kind": engine}})
     cfg = configmaps.render_trainer_config(lora, static_plan(lora), {"model_type": "llama"})
-    assert cfg.model.finetune == "lora" and cfg.rollout.engine_lora
-    assert cfg.rollout.sleep_level == (1 if kind == "nvidia" else 2)
-    merged = make_spec(**{"resources.accelerator": accel, "resources.rollout": {"loraSync": "merged"}})
+    assert cfg.model.finetune == "lora" and cfg.rollout.engine_lora and cfg.rollout.kind == engine
+    assert cfg.rollout.sleep_level == (1 if engine == "vllm" else 2)
+    merged = make_spec(
+        **{"resources.accelerator": accel, "resources.rollout": {"kind": engine, "loraSync": "merged"}}
+    )
     cfg = configmaps.render_trainer_config(merged, static_plan(merged), {"model_type": "llama"})
     assert not cfg.rollout.engine_lora and cfg.rollout.sleep_level == 2
-    full = make_spec(**{"resources.accelerator": accel, "model.finetune": {"mode": "full"}})
+    full = make_spec(
+        **{
+            "resources.accelerator": accel,
+            "resources.rollout": {"kind": engine},
+            "model.finetune": {"mode": "full"},
+        }
+    )
     cfg = configmaps.render_trainer_config(full, static_plan(full), {"model_type": "llama"})
     assert not cfg.rollout.engine_lora and cfg.rollout.sleep_level == 2
 
@@ -538,3 +547,40 @@ def test_held_out_data_on_another_claim_is_refused_naming_the_field() -> None:
     with pytest.raises(errors.InvalidSpecError) as info:
         configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
     assert "spec.evaluation.data.source.pvc" in str(info.value)
+
+
+# ---- spec.resources.rollout.kind and the KV bytes of vLLM's CPU backend ---------------------------
+@pytest.mark.parametrize("accelerator", [{"kind": "nvidia", "model": "H100-80GB"}, {"kind": "cpu"}])
+@pytest.mark.parametrize("engine", [None, "vllm", "transformers"])
+def test_the_rollout_engine_is_the_specs_on_every_pool(
+    accelerator: dict[str, str], engine: str | None
+) -> None:
+    """vLLM by default on every pool, CPU pools included (vLLM's CPU build); transformers when asked."""
+    rollout = {} if engine is None else {"kind": engine}
+    spec = make_spec(**{"resources.accelerator": accelerator, "resources.rollout": rollout})
+    cfg = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
+    assert cfg.rollout.kind == (engine or "vllm")
+
+
+@pytest.mark.parametrize("accelerator", [{"kind": "nvidia", "model": "H100-80GB"}, {"kind": "cpu"}])
+def test_the_plans_cpu_kv_cache_bytes_reach_the_trainer(accelerator: dict[str, str]) -> None:
+    spec = make_spec(**{"resources.accelerator": accelerator, "resources.rollout": {}})
+    plan = static_plan(spec).model_copy(update={"kv_cache_bytes": 7 << 30, "cpu_kv_cache_bytes": 12_345_678})
+    cfg = configmaps.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert cfg.rollout.cpu_kv_cache_bytes == 12_345_678
+    data = json.loads(
+        configmaps.build_config_map(JOB, spec, plan, {"model_type": "llama"})["data"][tc.CONFIGMAP_KEY]
+    )
+    assert data["rollout"]["cpuKvCacheBytes"] == 12_345_678
+    # A plan without the number (made before it existed): vLLM's own default, never 0 bytes.
+    cfg = configmaps.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"})
+    assert cfg.rollout.cpu_kv_cache_bytes is None
+
+
+@pytest.mark.parametrize(("engine", "memory"), [("vllm", "6Gi"), ("transformers", "2Gi")])
+def test_cpu_pods_memory_default_follows_the_engine_and_the_spec_wins(engine: str, memory: str) -> None:
+    cpu = {"resources.accelerator": {"kind": "cpu"}, "resources.rollout": {"kind": engine}}
+    requests = all_objects(make_spec(**cpu))[0]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests == {"cpu": "1", "memory": memory} and memory == api.CPU_POD_MEMORY_DEFAULTS[engine]
+    own = make_spec(**cpu, **{"resources.memory": "3Gi"})
+    assert all_objects(own)[0]["spec"]["containers"][0]["resources"]["requests"]["memory"] == "3Gi"

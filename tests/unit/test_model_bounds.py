@@ -33,8 +33,12 @@ def tiny_job() -> dict[str, Any]:
 
 
 def with_inline(job: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """`job` with `config` inline; a cpu job runs the transformers engine, since these tests are about
+    the bounds and vLLM's CPU attention refuses most head sizes (its own rule: test_planning)."""
     out = copy.deepcopy(job)
     out["spec"]["model"]["config"] = {"inline": config}
+    if out["spec"]["resources"]["accelerator"]["kind"] == "cpu":
+        out["spec"]["resources"].setdefault("rollout", {})["kind"] = "transformers"
     return out
 
 

@@ -29,7 +29,7 @@ from rljob_operator.api.base import (
 from rljob_operator.api.data import DataSpec, RewardSpec
 from rljob_operator.api.grpo import BatchingSpec, GRPOSpec, LengthsSpec
 from rljob_operator.api.model import ModelSpec, SecretKeyRef
-from rljob_operator.api.resources import VLLM_MAX_LORA_RANK, ResourcesSpec
+from rljob_operator.api.resources import VLLM_CPU_ATTENTION_HEAD_SIZES, VLLM_MAX_LORA_RANK, ResourcesSpec
 from rljob_operator.api.status import RLJobStatus
 
 
@@ -279,6 +279,26 @@ class PreemptionSpec(_Spec):
 # --------------------------------------------------------------------------------------------
 # The spec
 # --------------------------------------------------------------------------------------------
+_INLINE = "self.model.config.inline"
+_CPU_HEAD_SIZES_CEL = "[" + ", ".join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES)) + "]"
+
+
+def _inline_head_dim_runs_on_vllm_cpu(spec: Any) -> bool:
+    """The CEL rule's Python twin: an inline config.json (without text_config) whose explicit head_dim
+    vLLM's CPU attention refuses cannot run a vLLM engine on a cpu pool. Every other config (presets,
+    ConfigMaps, text_config, head_dim derived from hidden_size) is checked by the planner
+    (`decide.planning`, condition UnsupportedHeadSize), which reads the geometry as the estimator does."""
+    if spec.resources.accelerator.kind != "cpu" or spec.resources.rollout.kind != "vllm":
+        return True
+    inline = spec.model.config.inline
+    if inline is None or inline.get("text_config") is not None:
+        return True
+    head_dim = inline.get("head_dim")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        return True
+    return head_dim in VLLM_CPU_ATTENTION_HEAD_SIZES
+
+
 class RLJobSpec(_Spec):
     """Desired state of an RLJob: a GRPO training run with its rollout engines."""
 
@@ -296,7 +316,7 @@ class RLJobSpec(_Spec):
             ),
         ),
         CelRule(
-            rule="self.resources.accelerator.kind == 'cpu' || self.model.finetune.mode != 'lora' || "
+            rule="self.resources.rollout.kind != 'vllm' || self.model.finetune.mode != 'lora' || "
             "self.resources.rollout.loraSync != 'adapter' || "
             f"self.model.finetune.lora.rank <= {VLLM_MAX_LORA_RANK}",
             message=f"spec.model.finetune.lora.rank above {VLLM_MAX_LORA_RANK} cannot be served by vLLM "
@@ -304,11 +324,22 @@ class RLJobSpec(_Spec):
             "to merged",
             field_path=".model.finetune.lora.rank",
             check=lambda s: (
-                s.resources.accelerator.kind == "cpu"
+                s.resources.rollout.kind != "vllm"
                 or s.model.finetune.mode != "lora"
                 or s.resources.rollout.lora_sync != "adapter"
                 or s.model.finetune.lora.rank <= VLLM_MAX_LORA_RANK
             ),
+        ),
+        CelRule(
+            rule="self.resources.accelerator.kind != 'cpu' || self.resources.rollout.kind != 'vllm' || "
+            f"!has({_INLINE}) || has({_INLINE}.text_config) || !has({_INLINE}.head_dim) || "
+            f"{_INLINE}.head_dim <= 0 || {_INLINE}.head_dim in {_CPU_HEAD_SIZES_CEL}",
+            message="spec.model.config.inline.head_dim is a head size vLLM's CPU attention cannot run (it "
+            "takes " + ", ".join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES)) + "), and accelerator.kind cpu "
+            "with spec.resources.rollout.kind vllm runs vLLM's CPU build: use a model with one of those "
+            "head sizes, or set spec.resources.rollout.kind to transformers",
+            field_path=".model.config.inline.head_dim",
+            check=_inline_head_dim_runs_on_vllm_cpu,
         ),
     )
 

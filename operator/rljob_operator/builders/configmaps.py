@@ -126,13 +126,18 @@ def _rollout_settings(spec: api.RLJobSpec, plan: api.PlanStatus) -> dict[str, An
     max_num_seqs = plan.max_num_seqs or res.rollout.max_num_seqs or 256
     mnbt = plan.max_num_batched_tokens or res.rollout.max_num_batched_tokens or 8192
     gpu = res.accelerator.kind != "cpu"
+    kind = res.rollout.kind
     engine_lora = spec.model.finetune.mode == "lora" and res.rollout.lora_sync == "adapter"
     return {
-        "kind": "vllm" if gpu else "transformers",
+        "kind": kind,
         "enable_sleep_mode": res.rollout.enable_sleep_mode,
         # vLLM's level 2 discards the base, which a LoRA-serving vLLM engine cannot reload
         # (engines.vllm_engine); level 1 keeps it in host memory, as verl does for LoRA.
-        "sleep_level": 1 if engine_lora and gpu else 2,
+        "sleep_level": 1 if engine_lora and kind == "vllm" else 2,
+        # vLLM's CPU backend sizes its KV cache from these bytes, else from a fraction of the host's
+        # memory (which fails once several engines share a machine): the plan's on cpu pools, and on
+        # accelerator pools what maxNumSeqs sequences need (what a CPU stand-in of the node runs).
+        "cpu_kv_cache_bytes": plan.cpu_kv_cache_bytes or None,
         "engine_lora": engine_lora,
         "engine_num_cpus": ACCELERATOR_ACTOR_CPUS if gpu else 1.0,
         "max_num_seqs": max_num_seqs,

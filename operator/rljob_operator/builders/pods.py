@@ -35,8 +35,6 @@ CACHE_VOLUME = "cache"
 SHM_VOLUME = "dshm"
 METRICS_PORT_NAME = "metrics"
 TRAINER_METRICS_PORT = int(tc.TelemetrySettings().prometheus_port or 9400)
-CPU_DEFAULT = "1"
-MEMORY_DEFAULT = "2Gi"
 
 
 def _env(job: JobRef, spec: api.RLJobSpec, role: str, index: int, layout: JobLayout) -> list[dict[str, Any]]:
@@ -70,10 +68,8 @@ def _env(job: JobRef, spec: api.RLJobSpec, role: str, index: int, layout: JobLay
 
 def _resources(spec: api.RLJobSpec, accelerators: int) -> dict[str, Any]:
     res = spec.resources
-    cpu_job = res.accelerator.kind == "cpu"
     amounts: dict[str, Any] = {}
-    cpu = res.cpu if res.cpu is not None else (CPU_DEFAULT if cpu_job else None)
-    memory = res.memory if res.memory is not None else (MEMORY_DEFAULT if cpu_job else None)
+    cpu, memory = res.pod_cpu, res.pod_memory  # cpu jobs' defaults: api.ResourcesSpec, as the planner's
     if cpu is not None:
         amounts["cpu"] = str(cpu)
     if memory is not None:

@@ -12,19 +12,20 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from rljob_operator import api
+from rljob_operator import api, errors
 from rljob_operator import estimator as est
 from rljob_operator import quantity as quantity_mod
 from rljob_operator.estimator import refit as refit_mod
 from rljob_trainer.outputs import telemetry
 
 # CPU jobs (kind cpu) have no accelerator: plan them on a nominal "device" so the KV arithmetic
-# still explains the engine settings. Memory is the pod's memory; bandwidth and peak are those of
-# a few server cores, which only matter for the (unused) estimate/adaptive split of a CPU job.
+# still explains the engine settings, and sizes the KV cache vLLM's CPU engine is given. Its memory
+# is one worker's share of the pod's memory (spec.resources.memory, else the API's default for the
+# rollout engine; a pod holds acceleratorsPerNode workers); bandwidth and peak are those of a few
+# server cores, which only matter for the (unused) estimate/adaptive split of a CPU job.
 CPU_DEVICE_NAME = "cpu"
 CPU_BANDWIDTH_BYTES_PER_S = 20e9
 CPU_FLOPS_PER_S = 0.5e12
-CPU_DEFAULT_MEMORY_BYTES = 2 * 1024**3
 
 
 def quantity_bytes(quantity: int | str) -> int:
@@ -32,13 +33,80 @@ def quantity_bytes(quantity: int | str) -> int:
     return quantity_mod.to_bytes(quantity)
 
 
+def cpu_device_memory_bytes(spec: api.RLJobSpec) -> int:
+    """The nominal CPU device's memory: the pod's memory over its acceleratorsPerNode workers."""
+    res = spec.resources
+    memory = res.pod_memory or api.CPU_POD_MEMORY_DEFAULTS[res.rollout.kind]  # never unset on a cpu job
+    return quantity_bytes(memory) // res.accelerators_per_node
+
+
+def _cpu_device_reason(spec: api.RLJobSpec) -> str:
+    res = spec.resources
+    source = (
+        f"spec.resources.memory {res.memory}"
+        if res.memory is not None
+        else f"spec.resources.memory unset: {res.pod_memory}, the default of a cpu job with rollout.kind "
+        f"{res.rollout.kind}"
+    )
+    per = f" / acceleratorsPerNode {res.accelerators_per_node}" if res.accelerators_per_node > 1 else ""
+    gib = cpu_device_memory_bytes(spec) / 2**30
+    return (
+        f"cpu pool: the engine is planned on a nominal CPU device of {gib:.2f} GiB = {source}{per}; "
+        "its KV cache is rendered as vLLM's kv_cache_memory_bytes "
+        "(trainer.json rollout.cpuKvCacheBytes)"
+    )
+
+
+def _head_dim_source(config: dict[str, Any]) -> str:
+    """Where `ModelGeometry.head_dim` came from, in the config's own words (for the refusal)."""
+    text = config.get("text_config")
+    part, prefix = (text, "text_config.") if isinstance(text, dict) else (config, "")
+    explicit = part.get("head_dim")
+    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
+        return f"{prefix}head_dim"
+    return (
+        f"{prefix}hidden_size {part.get('hidden_size')} / {prefix}num_attention_heads "
+        f"{part.get('num_attention_heads')}"
+    )
+
+
+def _model_config_source(spec: api.RLJobSpec) -> str:
+    source = spec.model.config
+    if source.preset is not None:
+        return f"spec.model.config.preset {source.preset}"
+    if source.config_map_ref is not None:
+        ref = source.config_map_ref
+        return f"spec.model.config.configMapRef {ref.name}/{ref.key}"
+    return "spec.model.config.inline"
+
+
+def check_rollout_engine(spec: api.RLJobSpec, model_config: dict[str, Any]) -> None:
+    """Refuse a model the job's rollout engine cannot run on its pool: vLLM's CPU attention takes the
+    head sizes `api.VLLM_CPU_ATTENTION_HEAD_SIZES` only (MLA models use its CPU MLA backends instead).
+    Raises `errors.UnsupportedHeadSizeError` naming spec.model, the head size and both fixes; the CEL
+    rule refuses the same at `kubectl apply` where the config is inline with an explicit head_dim."""
+    res = spec.resources
+    if res.accelerator.kind != "cpu" or res.rollout.kind != "vllm":
+        return
+    model = est.ModelGeometry.from_hf_config(model_config)
+    if model.mla is not None or model.head_dim in api.VLLM_CPU_ATTENTION_HEAD_SIZES:
+        return
+    sizes = ", ".join(map(str, api.VLLM_CPU_ATTENTION_HEAD_SIZES))
+    raise errors.UnsupportedHeadSizeError(
+        "spec.model",
+        f"head_dim {model.head_dim} ({_head_dim_source(model_config)} of {_model_config_source(spec)}) "
+        f"is not a head size vLLM's CPU attention runs ({sizes}), and accelerator.kind cpu with "
+        "spec.resources.rollout.kind vllm runs vLLM's CPU build: use a model with one of those head "
+        "sizes, or set spec.resources.rollout.kind to transformers",
+    )
+
+
 def _devices(spec: api.RLJobSpec) -> tuple[str, tuple[est.DeviceSpec, ...]]:
     accelerator = spec.resources.accelerator
     if accelerator.kind == "cpu":
-        memory = spec.resources.memory
         device = est.DeviceSpec(
             name=CPU_DEVICE_NAME,
-            memory_bytes=quantity_bytes(memory) if memory is not None else CPU_DEFAULT_MEMORY_BYTES,
+            memory_bytes=cpu_device_memory_bytes(spec),
             hbm_bandwidth_bytes_per_s=CPU_BANDWIDTH_BYTES_PER_S,
             bf16_flops_per_s=CPU_FLOPS_PER_S,
             resource_name="cpu",
@@ -61,7 +129,10 @@ def _devices(spec: api.RLJobSpec) -> tuple[str, tuple[est.DeviceSpec, ...]]:
 
 
 def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.PlanRequest:
-    """The estimator's inputs, read from the spec; `model_config` is the model's config.json."""
+    """The estimator's inputs, read from the spec; `model_config` is the model's config.json.
+
+    Raises `errors.UnsupportedHeadSizeError` for a model the job's rollout engine cannot run there."""
+    check_rollout_engine(spec, model_config)
     resources, lengths, batching = spec.resources, spec.lengths, spec.batching
     accelerator, custom_devices = _devices(spec)
     static = resources.static
@@ -93,12 +164,16 @@ def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) ->
         group_size=spec.grpo.group_size,
         micro_batch_tokens=micro_batch_tokens,
         kv_cache_dtype=rollout.kv_cache_dtype,
+        engine_kind=rollout.kind,
     )
 
 
 def plan_job(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.ResourcePlan:
     """The plan the operator applies and `rljob plan` prints. Raises `EstimatorError`."""
-    return est.plan_resources(plan_request_from_spec(spec, model_config))
+    plan = est.plan_resources(plan_request_from_spec(spec, model_config))
+    if spec.resources.accelerator.kind != "cpu":
+        return plan
+    return plan.model_copy(update={"reasons": (_cpu_device_reason(spec), *plan.reasons)})
 
 
 # status.plan keeps the reasons readable in `kubectl get -o yaml` without growing the object unbounded.
@@ -114,6 +189,8 @@ def plan_status(plan: est.ResourcePlan) -> api.PlanStatus:
         shared_engines=plan.shared_engines,
         tensor_parallel=plan.tensor_parallel,
         kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_cache_bytes=plan.kv_cache_bytes,
+        cpu_kv_cache_bytes=plan.cpu_kv_cache_bytes,
         kv_cache_tokens=plan.kv_cache_tokens,
         max_num_seqs=plan.max_num_seqs,
         max_num_batched_tokens=plan.max_num_batched_tokens,

@@ -75,7 +75,17 @@ class PlanRequest(BaseModel):
     micro_batch_tokens: int = Field(default=16384, gt=0, description="Trainer tokens per micro-batch.")
     kv_cache_dtype: str = Field(default="auto", description="auto (model dtype) | fp8 | fp8_e4m3 | fp8_e5m2.")
     enable_prefix_caching: bool = Field(default=True, description="vLLM prefix caching (on by default).")
-    block_size_tokens: int = Field(default=rollout.DEFAULT_BLOCK_SIZE_TOKENS, gt=0)
+    block_size_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="vLLM's KV block size; default: the platform's (16 on accelerators, 128 on CPU, 16 for "
+        "MLA on CPU).",
+    )
+    engine_kind: Literal["vllm", "transformers"] = Field(
+        default="vllm",
+        description="The rollout engine: on a CPU device it decides the runtime memory (vLLM's CPU engine "
+        "processes, or the transformers engine inside the trainer's).",
+    )
     mfu: float = Field(
         default=0.4, gt=0, le=1, description="Model FLOPs utilisation for compute-bound phases."
     )
@@ -126,7 +136,15 @@ class ResourcePlan(BaseModel):
     kv_bytes_per_token: int = Field(description="Per accelerator of one engine.")
     state_bytes_per_sequence: int = Field(description="Linear-attention state per sequence, per accelerator.")
     block_size_tokens: int
-    kv_cache_bytes: int = Field(description="KV-cache memory per accelerator of one engine.")
+    kv_cache_bytes: int = Field(
+        description="KV-cache memory per accelerator of one engine (on a CPU device at most what "
+        "max_num_seqs sequences need)."
+    )
+    cpu_kv_cache_bytes: int = Field(
+        description="KV-cache bytes per rank a vLLM engine of this plan is given where it runs on CPU "
+        "(vLLM's kv_cache_memory_bytes): on a CPU device kv_cache_bytes; on an accelerator what "
+        "max_num_seqs sequences need in the blocks of vLLM's CPU backend (a CPU run of the same engine)."
+    )
     kv_cache_blocks: int
     kv_cache_tokens: int = Field(description="vLLM's 'GPU KV cache size' for max_model_len requests.")
     weight_bytes_per_rank: int
@@ -336,9 +354,10 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         "kv_cache_dtype": request.kv_cache_dtype,
         "max_num_seqs": request.max_num_seqs,
         "max_num_batched_tokens": request.max_num_batched_tokens,
-        "block_size_tokens": request.block_size_tokens,
+        "block_size_tokens": request.block_size_tokens or rollout.block_size_tokens_on(model, device),
         "enable_prefix_caching": request.enable_prefix_caching,
         "sequences_per_step": request.prompts_per_step * request.group_size,
+        "engine_kind": request.engine_kind,
     }
     if request.tensor_parallel is not None:
         if request.tensor_parallel > total:
@@ -428,6 +447,20 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         f"x {request.bandwidth_efficiency}, "
         f"prefill/training by {device.bf16_flops_per_s / 1e12:.0f} TFLOP/s x MFU {request.mfu}"
     )
+    if device.is_cpu:
+        cpu_kv_cache_bytes = engine.kv_cache_bytes
+    else:
+        cpu_layout = rollout.compute_kv_cache_layout(
+            model,
+            tp,
+            request.kv_cache_dtype,
+            block_size_tokens=request.block_size_tokens or rollout.cpu_block_size_tokens(model),
+            enable_prefix_caching=request.enable_prefix_caching,
+        )
+        cpu_blocks = rollout.kv_blocks_for_sequences(
+            cpu_layout, engine.max_num_seqs, sequence_tokens, max_model_len, engine.max_num_batched_tokens
+        )
+        cpu_kv_cache_bytes = cpu_blocks * cpu_layout.bytes_per_block
     return ResourcePlan(
         mode=request.mode,
         accelerator=device.name,
@@ -443,6 +476,7 @@ def plan_resources(request: PlanRequest) -> ResourcePlan:
         state_bytes_per_sequence=engine.state_bytes_per_sequence,
         block_size_tokens=engine.layout.block_size_tokens,
         kv_cache_bytes=engine.kv_cache_bytes,
+        cpu_kv_cache_bytes=cpu_kv_cache_bytes,
         kv_cache_blocks=engine.num_blocks,
         kv_cache_tokens=engine.kv_cache_tokens,
         weight_bytes_per_rank=engine.weight_bytes_per_rank,

@@ -72,9 +72,26 @@ def format_plan_table(plan: planner.ResourcePlan) -> str:
         (
             "runtimeOverheadBytes",
             _gib(p.runtime_overhead_bytes),
-            "CUDA context, NCCL, CUDA graphs (allowance)",
+            "the engine's processes on CPU (measured)"
+            if p.resource_name == "cpu"
+            else "CUDA context, NCCL, CUDA graphs (allowance)",
         ),
-        ("kvCacheBytes", _gib(p.kv_cache_bytes), "memory x gpu_memory_utilization - the three rows above"),
+        (
+            "kvCacheBytes",
+            _gib(p.kv_cache_bytes),
+            "memory x gpu_memory_utilization - the three rows above"
+            + (" (CPU: at most what maxNumSeqs sequences need)" if p.resource_name == "cpu" else ""),
+        ),
+        (
+            "cpuKvCacheBytes",
+            _gib(p.cpu_kv_cache_bytes),
+            "vLLM's kv_cache_memory_bytes where the engine runs on CPU"
+            + (
+                ": kvCacheBytes"
+                if p.resource_name == "cpu"
+                else ": maxNumSeqs sequences in CPU blocks (a CPU run of this engine)"
+            ),
+        ),
         ("kvCacheBlocks", str(p.kv_cache_blocks), "kvCacheBytes // (layers per group x page bytes)"),
         (
             "kvCacheTokens",

