@@ -10,6 +10,7 @@ loop, "0/5 pods running", a relabelled error, a counted disruption or a pod recr
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -385,3 +386,64 @@ def test_every_example_shows_a_phase_and_its_cause_within_30s(
         assert ready["reason"] == "ClaimNotBound", ready
         assert f"PersistentVolumeClaim {claim!r}" in ready["message"]
         assert f"storage class {storage_class!r}" in ready["message"]
+
+
+# ---- vLLM's CPU build refuses some head sizes: at apply, or a named condition within seconds -------
+CPU_TWO_RANKS = {
+    "accelerator": {"kind": "cpu"},
+    "totalAccelerators": 2,
+    "acceleratorsPerNode": 1,
+    "mode": "static",
+    "static": {"trainerAccelerators": 2, "rolloutAccelerators": 0},
+    "memory": "4Gi",
+}
+
+
+def test_a_cpu_vllm_job_with_a_head_size_vllm_cannot_run_is_refused_by_name_and_never_gets_pods(
+    cluster: Any, crd: None, namespace: str, kubeconfig_env: None
+) -> None:
+    sizes = "32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512"
+    head_16 = {**TINY_CONFIG, "num_attention_heads": 4, "num_key_value_heads": 2}  # 64 / 4: head_dim 16
+    # 1. An explicit inline head_dim: the apiserver's CEL rule refuses it at kubectl apply.
+    explicit = rljob(
+        "hd-explicit",
+        "cpu",
+        model={"name": "tiny", "source": {"tiny": {}}, "config": {"inline": {**head_16, "head_dim": 16}}},
+        resources=CPU_TWO_RANKS,
+    )
+    refused = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(explicit), check=False
+    )
+    assert refused.returncode != 0
+    assert "spec.model.config.inline.head_dim" in refused.stderr and sizes in refused.stderr
+    assert "set spec.resources.rollout.kind to transformers" in refused.stderr
+    # 2. A head_dim the apiserver cannot see (derived from hidden_size / num_attention_heads): the
+    #    planner refuses it with a named condition within seconds, and no pod is created.
+    derived = rljob(
+        "hd-derived",
+        "cpu",
+        model={"name": "tiny", "source": {"tiny": {}}, "config": {"inline": head_16}},
+        resources=CPU_TWO_RANKS,
+    )
+    with operator(namespace) as runner:
+        apply(cluster, namespace, derived)
+        st = until_reason(cluster, namespace, "hd-derived", "Planned", "UnsupportedHeadSize", timeout=15)
+        assert st["phase"] == "Failed"
+        message = condition(st, "Planned")["message"]
+        assert message.startswith("spec.model: head_dim 16 (hidden_size 64 / num_attention_heads 4 of ")
+        assert sizes in message and "set spec.resources.rollout.kind to transformers" in message
+        assert "UnsupportedHeadSize" in events_of(cluster, namespace, "hd-derived")
+        time.sleep(2)  # later reconciles change nothing: still refused, still no pods
+        assert not pods(cluster, namespace, "hd-derived")
+        # 3. The fix the message names (the transformers engine) is a new generation: it plans.
+        derived["spec"]["resources"]["rollout"] = {"kind": "transformers"}
+        apply(cluster, namespace, derived)
+        wait_for(
+            "planned with the transformers engine",
+            lambda: (
+                condition(job_status(cluster, namespace, "hd-derived"), "Planned").get("status") == "True"
+            ),
+            30,
+        )
+        assert job_status(cluster, namespace, "hd-derived")["plan"]["cpuKvCacheBytes"] > 0
+    assert runner.exception is None
