@@ -40,6 +40,7 @@ def cpu_rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]
                 "mode": "static",
                 "static": {"trainerAccelerators": 2, "rolloutAccelerators": 1},
                 "rollout": {"tensorParallel": 1},
+                "memory": "2Gi",  # the quota arithmetic below (a vLLM cpu job's default is 6Gi)
             },
         },
     }
