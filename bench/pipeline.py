@@ -50,7 +50,7 @@ than 1.6x apart after calibration, step times that scatter (coefficient of varia
 a parallel capacity below 1.6 (fewer than two free cores).
 
 `--corrections` runs something else instead (docs/numerics.md has its table): the toy task learning
-(2-layer model, answers of up to 4 tokens, learning rate 3e-3) at maxStaleness 2 under each rollout
+(2-layer model, answers of up to 4 tokens, `--learning-rate` 3e-3) at maxStaleness 2 under each rollout
 correction (`spec.grpo.rolloutCorrection`), one Ray run each, and a table of the drift between the
 engine's policy and the trainer's (|log-prob gap|, KL, chi^2, what the correction truncated, masked or
 rejected) and the reward (first and last ten steps). It skips the calibration and the throughput runs.
@@ -537,7 +537,9 @@ CORRECTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
 CORRECTION_STALENESS = 2
 
 
-def correction_config(grpo: dict[str, Any], *, steps: int, seed: int) -> config.TrainerConfig:
+def correction_config(
+    grpo: dict[str, Any], *, steps: int, seed: int, learning_rate: float = 3e-3
+) -> config.TrainerConfig:
     """The toy task learning at maxStaleness 2 on one rank and one dedicated engine (Ray)."""
     return config.parse_config(
         {
@@ -554,7 +556,7 @@ def correction_config(grpo: dict[str, Any], *, steps: int, seed: int) -> config.
                 "groupSize": 8,
                 "promptsPerStep": 16,
                 "maxSteps": steps,
-                "learningRate": 3e-3,
+                "learningRate": learning_rate,
                 "seed": seed,
                 "maxStaleness": CORRECTION_STALENESS,
                 **grpo,
@@ -610,35 +612,46 @@ def correction_row(label: str, runs: list[list[dict[str, Any]]]) -> dict[str, An
     }
 
 
-def corrections_table(*, steps: int, seeds: list[int], log: Any) -> list[dict[str, Any]]:
+def corrections_table(
+    *, steps: int, seeds: list[int], log: Any, learning_rate: float = 3e-3
+) -> list[dict[str, Any]]:
     """Each correction's row (see `correction_row`), after one Ray run per seed."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="rljob-bench-corrections-") as tmp:
         for i, (label, grpo) in enumerate(CORRECTIONS):
             runs = [
-                run(correction_config(grpo, steps=steps, seed=s), Path(tmp), f"corr-{i}-{s}") for s in seeds
+                run(
+                    correction_config(grpo, steps=steps, seed=s, learning_rate=learning_rate),
+                    Path(tmp),
+                    f"corr-{i}-{s}",
+                )
+                for s in seeds
             ]
             rows.append(correction_row(label, runs))
             log(f"corrections: {label}: {rows[-1]}")
     return rows
 
 
-def render_corrections(rows: list[dict[str, Any]], *, steps: int, seeds: list[int]) -> str:
+def render_corrections(
+    rows: list[dict[str, Any]], *, steps: int, seeds: list[int], learning_rate: float = 3e-3
+) -> str:
     """The rows as the markdown table docs/numerics.md carries."""
     head = (
         "| correction | staleness mean | mean abs log-prob gap | KL(rollout‖old) | chi² token | PPL ratio "
         "| truncated / masked / rejected | mean IS weight | reward steps 1-10 | reward last 10 |"
     )
     lines = [
-        f"maxStaleness {CORRECTION_STALENESS}, {steps} steps, seeds {','.join(map(str, seeds))}:",
+        f"maxStaleness {CORRECTION_STALENESS}, {steps} steps, learning rate {learning_rate:g}, "
+        f"seeds {','.join(map(str, seeds))}:",
         head,
         "|" + "---|" * 10,
     ]
     for r in rows:
+        weight = f"{r['is_weight_mean']:.3f}" if r["is_weight_mean"] > 0 else "-"  # no IS: no weight
         lines.append(
             f"| {r['correction']} | {r['staleness_mean']:.2f} | {r['logprob_diff']:.4f} | {r['kl']:.4f} "
-            f"| {r['chi2_token']:.4f} | {r['ppl_ratio']:.3f} | {r['acted_fraction']:.3f} "
-            f"| {r['is_weight_mean']:.3f} | {r['reward_first10']:.3f} | {r['reward_last10']:.3f} |"
+            f"| {r['chi2_token']:.4f} | {r['ppl_ratio']:.3f} | {r['acted_fraction']:.4f} | {weight} "
+            f"| {r['reward_first10']:.3f} | {r['reward_last10']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -677,13 +690,17 @@ def main() -> None:
         "reward (--steps default 60, --seeds)",
     )
     p.add_argument("--seeds", default="1", help="with --corrections: the seeds, comma-separated")
+    p.add_argument(
+        "--learning-rate", type=float, default=3e-3, help="with --corrections (drift grows with it)"
+    )
     args = p.parse_args()
     if args.corrections:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        rows = corrections_table(steps=args.steps or 60, seeds=seeds, log=print)
+        lr = args.learning_rate
+        rows = corrections_table(steps=args.steps or 60, seeds=seeds, log=print, learning_rate=lr)
         if args.json:
             print(json.dumps(rows))
-        print(render_corrections(rows, steps=args.steps or 60, seeds=seeds))
+        print(render_corrections(rows, steps=args.steps or 60, seeds=seeds, learning_rate=lr))
         return
     steps = args.steps or (8 if args.quick else 18)
     staleness = [int(s) for s in args.staleness.split(",") if s.strip()]

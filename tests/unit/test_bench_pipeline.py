@@ -164,5 +164,5 @@ def test_a_corrections_row_pools_seeds_and_counts_what_the_correction_did(bench:
     assert row["reward_first10"] == pytest.approx(0.015 * 5.5)  # steps 1-10 of both seeds
     assert row["reward_last10"] == pytest.approx(0.015 * 7.5)  # steps 3-12
     table = bench.render_corrections([row], steps=12, seeds=[1, 2])
-    assert table.splitlines()[0] == "maxStaleness 2, 12 steps, seeds 1,2:"
-    assert "| IcePop [0.5, 5] | 2.00 | 0.1000 | 0.0200 |" in table
+    assert table.splitlines()[0] == "maxStaleness 2, 12 steps, learning rate 0.003, seeds 1,2:"
+    assert "| IcePop [0.5, 5] | 2.00 | 0.1000 | 0.0200 |" in table and "| 0.2000 |" in table
