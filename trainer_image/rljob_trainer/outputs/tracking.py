@@ -2,7 +2,8 @@
 
 Role: the driver calls `Trackers.log_step(metrics, report)` once per step and `close()` at the end.
 `step_scalars` (pure) picks what every tracker gets: reward and its parts, loss, KL, entropy,
-pg_clipfrac and pg_clipfrac_lower, `rollout_corr/*`, grad norm, response lengths, tokens/s, the step time split, `dp_balance/*` and engines awake/total.
+pg_clipfrac and pg_clipfrac_lower, `rollout_corr/*`, grad norm, response lengths, tokens/s, the step
+time split, `dp_balance/*` and engines awake/total.
 TensorBoard event files go to `tracking.tensorboardDir` (default `<checkpoint.dir>/tensorboard`)
 through torch's `SummaryWriter`. W&B and MLflow come from the `tracking` extra; a tracker whose
 package is missing or whose backend fails is logged and skipped, so a tracker never stops a run; the
