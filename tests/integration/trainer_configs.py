@@ -40,3 +40,19 @@ def toy_config(**over: Any) -> config.TrainerConfig:
         else:
             base[key] = value
     return config.parse_config(base)
+
+
+def vllm_config(dtype: str = "float32", **over: Any) -> config.TrainerConfig:
+    """The toy task on vLLM's CPU build (one dedicated engine): the tiny model's heads of 32 are a size
+    vLLM's CPU attention takes; the KV cache is told in bytes, as the operator renders it for CPU."""
+    rollout = {
+        "kind": "vllm",
+        "sharedEngines": 0,
+        "dedicatedEngines": 1,
+        "maxNumSeqs": 16,
+        "maxNumBatchedTokens": 256,
+        "cpuKvCacheBytes": 32 << 20,
+        **over.pop("rollout", {}),
+    }
+    model = {**toy_config().model.model_dump(by_alias=True), "dtype": dtype, **over.pop("model", {})}
+    return toy_config(model=model, rollout=rollout, **over)

@@ -261,7 +261,10 @@ def test_kv_spec_matches_vllm_arithmetic() -> None:
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
-    from vllm.v1.core.kv_cache_planning import _get_kv_cache_groups_uniform_page_size
+    try:  # 0.33 moved the grouping into its own module; 0.32 (the CPU pin) has it in kv_cache_utils
+        from vllm.v1.core.kv_cache_planning import _get_kv_cache_groups_uniform_page_size
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,

@@ -139,6 +139,9 @@ def test_sync_report_json_is_camel_case():
         "evalMeanReward",
         "droppedPrompts",
         "trackerErrors",
+        "enginePlatform",
+        "sharedWakeS",
+        "sharedWakeRestarted",
         "promptTokens",
         "generatedTokens",
         "trainedTokens",
@@ -173,7 +176,7 @@ def test_append_report_bounds_and_keeps_order():
     assert telemetry.REPORTS_KEY == "reports.json"
 
 
-def test_the_cpu_stand_in_keeps_the_jobs_dtype_and_fp16_is_refused():
+def test_the_cpu_stand_in_keeps_the_jobs_dtype_and_engine_and_fp16_is_refused():
     cfg = config.parse_config(
         {"model": {"name": "m", "source": "tiny", "hfConfig": {"model_type": "qwen2"}, "dtype": "bfloat16"},
          "rollout": {"kind": "vllm", "sharedEngines": 1},
@@ -181,11 +184,8 @@ def test_the_cpu_stand_in_keeps_the_jobs_dtype_and_fp16_is_refused():
     )  # fmt: skip
     cpu = config.cpu_standin(cfg)
     assert cpu.model.dtype == "bfloat16"  # a stand-in in fp32 would hide what bf16 does to a GPU run
-    assert (cpu.distributed.device, cpu.distributed.backend, cpu.rollout.kind) == (
-        "cpu",
-        "gloo",
-        "transformers",
-    )
+    # The stand-in swaps torch's device and backend, never the engine: vLLM's CPU build serves it.
+    assert (cpu.distributed.device, cpu.distributed.backend, cpu.rollout.kind) == ("cpu", "gloo", "vllm")
     with pytest.raises(ValidationError, match="float16 is not supported for training"):
         config.parse_config({"model": {**cfg.model.model_dump(), "dtype": "float16"}})
     with pytest.raises(ValidationError, match=r"trackingUri|tracking_uri"):

@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if env.get(config_mod.ENV_TEST_CPU_STANDIN) == "1":
         log.warning(
-            "%s=1: torch on CPU and the transformers engine (test cluster only)",
+            "%s=1: torch on CPU with gloo, the engine as configured (test cluster only)",
             config_mod.ENV_TEST_CPU_STANDIN,
         )
         cfg = config_mod.cpu_standin(cfg)

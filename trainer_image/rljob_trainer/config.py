@@ -340,6 +340,20 @@ class RolloutSettings(_Model):
         description="vLLM sleep level of shared engines: 1 keeps weights in host memory, 2 discards them "
         "(they are reloaded from the trainer when the engine wakes, before it generates).",
     )
+    cpu_kv_cache_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV-cache bytes of one engine where vLLM runs on CPU (vLLM's "
+        "`kv_cache_memory_bytes`: its CPU backend sizes the cache from bytes it is told, or else from a "
+        "fraction of the host's memory). The operator renders the plan's KV bytes on CPU pools, and on "
+        "accelerator pools the bytes the plan's maxNumSeqs sequences of maxModelLen need (what the CPU "
+        "stand-in of a local-exec GPU/NPU node gets). None: vLLM's own default. Unused on accelerators.",
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="vLLM's enforce_eager. None: eager where the platform captures no static graphs "
+        "(vLLM on CPU: compiling costs ~35 s at every engine start), vLLM's default (compiled) elsewhere.",
+    )
     engine_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by one engine actor.")
     engine_timeout_s: float = Field(
         600.0,
@@ -615,11 +629,11 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 def cpu_standin(config: TrainerConfig) -> TrainerConfig:
-    """`config` with torch on CPU (gloo) and the transformers engine, placement and dtype unchanged:
-    what a local-exec GPU/NPU node of the test cluster runs (`ENV_TEST_CPU_STANDIN`; never the operator)."""
+    """`config` with torch on CPU (gloo); placement, dtype and the engine unchanged (a vLLM job runs
+    vLLM's CPU build, which asks its own platform what it can do): what a local-exec GPU/NPU node of
+    the test cluster runs (`ENV_TEST_CPU_STANDIN`; never the operator)."""
     data = config.model_dump()
     data["distributed"].update(device="cpu", backend="gloo")
-    data["rollout"]["kind"] = "transformers"
     # The dtype stays the job's: torch has bf16 CPU kernels, and a stand-in that trained in fp32 would
     # hide what bf16 does to a GPU run (rljob_trainer.model.precision).
     return TrainerConfig.model_validate(data)

@@ -42,6 +42,8 @@ from rljob_trainer.weights import weight_sync
 log = logging.getLogger("rljob_trainer.driver")
 
 
+# How long a dropped engine may take to stop its own processes before its actor is killed.
+ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
 # How long a new engine may take to start (actor process, imports, model build) before it is lost.
 ENGINE_START_TIMEOUT_S = 300.0
 
@@ -87,6 +89,13 @@ def shard_for_ranks(
 # ---- the driver ----------------------------------------------------------------------------------
 class EngineLost(RuntimeError):
     """An engine died or hung past rollout.engineTimeoutS."""
+
+
+def describe_platform(caps: dict[str, Any]) -> str:
+    """One line of what an engine's platform can do (`engines.platform.EngineCapabilities` as a dict),
+    for the log, the SyncReport and the operator's status."""
+    sleep = "sleep mode" if caps.get("sleep_mode") else "no sleep mode (sleep = stop, wake = restart)"
+    return f"vLLM {caps.get('vllm_version')} on {caps.get('device_type')}, {sleep}"
 
 
 @dataclass
@@ -145,6 +154,9 @@ class GRPODriver:
             clock=clock,
         )
         self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
+        # What each engine's platform said it can do (`engines.platform.EngineCapabilities`, from load()).
+        self.engine_caps: dict[str, dict[str, Any]] = {}
+        self._wakes: list[tuple[float, bool]] = []  # shared wakes since the last report: (s, restarted)
         self._released_pods: set[int] = set()  # drained after a lowered target, not re-added since
         self._vllm_api = weight_sync.detect_vllm_weight_transfer() if cfg.rollout.kind == "vllm" else None
         self.weight_transfer: dict[str, weight_sync.WeightTransferChoice] = {}  # by engine name
@@ -239,7 +251,27 @@ class GRPODriver:
             loads[name] = self.rt.submit(handle, "load")
         # Starting an engine (process, imports, model) may take longer than any call of a running one.
         start_timeout = max(self.cfg.rollout.engine_timeout_s, ENGINE_START_TIMEOUT_S)
-        self._settle(loads, what="load", timeout_s=start_timeout)
+        for name, caps in self._settle(loads, what="load", timeout_s=start_timeout).items():
+            if caps:
+                if not self.engine_caps:
+                    log.info("rollout engine platform: %s", describe_platform(caps))
+                self.engine_caps[name] = caps
+            if colocated and self._sleeps_by_restart(name):
+                # Such an engine is not started by load(): it would be stopped at once (`VLLMEngine.load`).
+                self.engines[name].asleep = True
+                if not self.cfg.rollout.engine_lora:
+                    self.engines[name].version = engine_sync.DISCARDED
+
+    @property
+    def engine_platform(self) -> str | None:
+        """What the engines' platform can do, in one line (`describe_platform`); None without vLLM."""
+        caps = next(iter(self.engine_caps.values()), None)
+        return describe_platform(caps) if caps else None
+
+    def _sleeps_by_restart(self, name: str) -> bool:
+        """A shared engine whose platform has no sleep mode: sleeping stops it, waking starts it."""
+        caps = self.engine_caps.get(name)
+        return self._sleep_mode and caps is not None and not caps.get("sleep_mode", True)
 
     def _join_engine(self, name: str) -> None:
         """Open a started engine's weight channel and hand it to the dispatcher."""
@@ -279,13 +311,44 @@ class GRPODriver:
         elif choice is not None and choice.path == weight_sync.PATH_VLLM_NATIVE:
             for r in self.ranks:  # every rank holds an end of a vLLM channel
                 self.rt.submit(r, "vllm_transfer_close", name)
+        self._shutdown_engine(name, eng.handle)
         try:
             self.rt.kill(eng.handle)
         except Exception as e:  # already gone with its node
             log.debug("kill %s: %s", name, e)
+        self.engine_caps.pop(name, None)
         if lost and eng.pod_index is not None:
             self._lost_pods.add(eng.pod_index)
         log.info("engine %s %s", name, "lost" if lost else "dropped")
+        if lost and eng.colocated:
+            self._restart_shared(name)
+
+    def _shutdown_engine(self, name: str, handle: Any) -> None:
+        """Let an engine stop its own processes (vLLM's EngineCore and workers outlive a killed actor
+        that did not shut them down); an engine that does not answer in time is killed regardless."""
+        try:
+            fut = self.rt.submit(handle, "shutdown")
+            if self.rt.wait_any([fut], ENGINE_SHUTDOWN_TIMEOUT_S):
+                self.rt.get(fut)
+        except Exception as e:  # a dead actor, or vLLM already gone
+            log.debug("shutdown %s: %s", name, e)
+
+    def _restart_shared(self, name: str) -> None:
+        """A lost shared engine is started again on its trainer pod (no pod to replace: the trainer
+        pod holds it), asleep as at setup; it takes the current weights when it is next woken."""
+        try:
+            self._start_engines({name: None}, colocated=True)
+            if name in self.engines:
+                self.engines[name].awake = False
+                self._join_engine(name)
+        except EngineLost as e:
+            log.warning("shared engine %s could not be started again: %s", name, e)
+            return
+        if name in self.engines and self._sleep_mode:
+            self.rt.get(self.rt.submit(self.engines[name].handle, "sleep", self.cfg.rollout.sleep_level))
+            self.engines[name].asleep = True
+            self.engines[name].version = engine_sync.DISCARDED
+        log.info("shared engine %s started again after it was lost", name)
 
     def _settle(
         self,
@@ -392,6 +455,7 @@ class GRPODriver:
         """Wake (weights, load, KV cache) the shared engines that generate now; mark who serves."""
         serving = set(self._generating_shared())
         waking = [n for n in sorted(serving) if self.engines[n].asleep]
+        t0 = self.clock()
         if waking:
             self.rt.get([self.rt.submit(self.engines[n].handle, "wake", ["weights"]) for n in waking])
             if self.cfg.rollout.engine_lora:
@@ -403,6 +467,15 @@ class GRPODriver:
             self.rt.get([self.rt.submit(self.engines[n].handle, "wake", ["kv_cache"]) for n in waking])
             for n in waking:
                 self.engines[n].asleep = False
+            # What waking cost, weights included: on a platform without sleep mode a full restart.
+            restarted = any(self._sleeps_by_restart(n) for n in waking)
+            self._wakes.append((self.clock() - t0, restarted))
+            log.info(
+                "woke %s in %.1f s%s",
+                ", ".join(waking),
+                self.clock() - t0,
+                " (restarted)" if restarted else "",
+            )
         for name, eng in self.engines.items():
             awake = (not eng.colocated and not eng.draining) or name in serving
             if eng.awake != awake:
@@ -414,10 +487,15 @@ class GRPODriver:
         without sleep mode. Every shared engine leaves the dispatcher until it is woken."""
         level = self.cfg.rollout.sleep_level
         sleeping = []
+        # A shared engine that sleeps by restarting stays up while it serves: stopping it after each
+        # generation would cost a full start every step, to free host memory a CPU trainer does not
+        # need back. It stops once the target no longer wants it.
+        serving = set(self._generating_shared())
         for name, eng in self.engines.items():
             if not eng.colocated:
                 continue
-            if self._sleep_mode and not eng.asleep:
+            keep_running = self._sleeps_by_restart(name) and name in serving and not eng.asleep
+            if self._sleep_mode and not eng.asleep and not keep_running:
                 sleeping.append(name)
             if eng.awake:
                 eng.awake = False
@@ -425,7 +503,9 @@ class GRPODriver:
         self.rt.get([self.rt.submit(self.engines[n].handle, "sleep", level) for n in sleeping])
         for n in sleeping:
             self.engines[n].asleep = True
-            if level == 2:
+            # Level 2 discards the weights; so does a restart, except a LoRA-serving engine's frozen
+            # base (its adapter is re-added: engine_sync.readd_lost_adapters).
+            if level == 2 or (self._sleeps_by_restart(n) and not self.cfg.rollout.engine_lora):
                 self.engines[n].version = engine_sync.DISCARDED  # reloaded when it wakes
 
     def _sync_awake_engines(self) -> None:
@@ -651,8 +731,12 @@ class GRPODriver:
             generation_engines=int(metrics["rollout/generation_engines"]),
             prefill_engine_s=metrics.get("rollout/prefill_engine_s"),
             decode_engine_s=metrics.get("rollout/decode_engine_s"),
+            engine_platform=self.engine_platform,
+            shared_wake_s=max((s for s, _ in self._wakes), default=None),
+            shared_wake_restarted=any(r for _, r in self._wakes),
             numerics={k: metrics[k] for k in telemetry.NUMERICS_KEYS if k in metrics},
         )
+        self._wakes.clear()
         self._resume_note = None
         self.pipeline.trainer_wait_s = 0.0
         self._lost_pods.clear()
@@ -731,6 +815,8 @@ class GRPODriver:
 
     def shutdown(self) -> None:
         self.tracker.close()
+        for name, eng in list(self.engines.items()):
+            self._shutdown_engine(name, eng.handle)
         for r in self.ranks:
             try:
                 self.rt.get(self.rt.submit(r, "shutdown"))

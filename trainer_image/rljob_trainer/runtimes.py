@@ -315,8 +315,11 @@ class LocalRuntime:
         return list(futures)
 
     def lost_errors(self) -> tuple[type[BaseException], ...]:
-        """Errors that mean an engine is gone (none in-process: an engine error is a bug)."""
-        return ()
+        """Errors that mean an engine is gone: in-process only an engine whose own processes died
+        (vLLM's engine core); any other engine error is a bug."""
+        from rljob_trainer.engines import base
+
+        return (base.EngineDiedError,)
 
     def get(self, futures: Any) -> Any:
         if isinstance(futures, list):
@@ -484,7 +487,16 @@ class RayRuntime:
         """Errors that mean an actor (an engine) or its node is gone, not that its code failed."""
         from ray import exceptions
 
-        return (exceptions.RayActorError, exceptions.NodeDiedError, exceptions.ActorUnavailableError)
+        from rljob_trainer.engines import base
+
+        # An actor method's exception arrives as a RayTaskError subclass of its own type, so an
+        # engine whose vLLM processes died (`EngineDiedError`) is caught here like a dead actor.
+        return (
+            exceptions.RayActorError,
+            exceptions.NodeDiedError,
+            exceptions.ActorUnavailableError,
+            base.EngineDiedError,
+        )
 
     def get(self, futures: Any) -> Any:
         return self._ray.get(futures)

@@ -83,6 +83,13 @@ class EngineStateError(RuntimeError):
     """An engine call its current sleep state does not allow (vLLM refuses or corrupts it)."""
 
 
+class EngineDiedError(RuntimeError):
+    """The engine's own processes are gone (vLLM's EngineCore or a worker died): it cannot serve again.
+    Runtimes count it among the errors that mean an engine is lost (`Runtime.lost_errors`), so the
+    driver drops it, requeues its requests and replaces it (a dedicated engine's pod is reported lost,
+    a shared engine is started again)."""
+
+
 class EngineAsleepError(EngineStateError):
     """generate() or update_weights() on an engine whose weights or KV cache are asleep."""
 
@@ -219,6 +226,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_report(self) -> EngineLoad:
         """Counters for logs and telemetry."""
+
+    def shutdown(self) -> None:
+        """Stop what the engine runs outside this process (vLLM: EngineCore and its workers) before
+        its host goes away; in-process engines have nothing to stop."""
+        return None
 
     def adapter_version(self) -> int | None:
         """Engines serving LoRA (rollout.engineLora): the weights version of the adapter they serve

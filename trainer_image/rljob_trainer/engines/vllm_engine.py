@@ -54,24 +54,36 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
+import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from rljob_trainer import config as config_mod
-from rljob_trainer.engines import base
+from rljob_trainer.engines import base, platform
 from rljob_trainer.model import lora_adapter
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    # Runs inside each vLLM worker process (collective_rpc passes the worker as `self`); vLLM's
-    # model.load_weights shards full tensors for tensor parallelism and fuses q/k/v, gate/up itself.
-    worker.model_runner.get_model().load_weights(weights=iter(weights))
+def _reload_weights_on_worker(worker: Any, *, weights: list[tuple[str, Any]]) -> int:
+    """Runs inside each vLLM worker process (collective_rpc passes the worker first).
+
+    The weights travel inside the callable (`functools.partial(..., weights=...)`): vLLM's engine-core
+    channel encodes `collective_rpc`'s `args` with msgpack, which turns every tensor in them into a
+    plain list (0.32 and 0.33 alike); a pickled callable keeps them tensors. `Worker.reload_weights`
+    (both releases) loads checkpoint-format tensors through the model's own loader and then redoes
+    the platform's post-load processing: `model.load_weights` alone fails on CPU once the backend has
+    repacked its linear weights ('Parameter' object has no attribute 'weight_loader'). It shards full
+    tensors for tensor parallelism and fuses q/k/v and gate/up as a checkpoint load does."""
+    worker.reload_weights(weights_iterator=iter(weights))
     return len(weights)
 
 
@@ -98,10 +110,13 @@ def engine_args(
     sleep_enabled: bool,
     transfer_backend: str | None = None,
     tp_workers_in_placement_group: bool = False,
+    capabilities: platform.EngineCapabilities | None = None,
 ) -> dict[str, Any]:
     """The `vllm.AsyncEngineArgs` keywords of one engine (plain values; `WeightTransferConfig` is
-    built from `weight_transfer_backend` at load). Pure: tests/conformance builds `AsyncEngineArgs`
-    from it."""
+    built from `weight_transfer_backend` at load). Pure: tests build `AsyncEngineArgs` from it and
+    vLLM's own `create_engine_config()` checks it. `capabilities` (what the platform said,
+    `platform.probe`) adds what that platform needs: a KV cache sized in bytes where it lives in host
+    memory, eager execution where vLLM captures no static graphs (unless `rollout.enforceEager` says)."""
     r, lengths = cfg.rollout, cfg.lengths
     args: dict[str, Any] = {
         "model": model,
@@ -121,6 +136,16 @@ def engine_args(
         "revision": cfg.model.hub_revision,
         "tokenizer_revision": cfg.model.hub_revision,
     }
+    caps = capabilities
+    if r.enforce_eager is not None:
+        args["enforce_eager"] = r.enforce_eager
+    elif caps is not None and not caps.static_graphs:
+        # Without CUDA graphs compiling buys little for RL's short engine lives and costs a torch
+        # inductor compile at every start (CPU: 18 s eager, 54 s compiled for the tiny model).
+        args["enforce_eager"] = True
+    if caps is not None and caps.host_memory_kv and r.cpu_kv_cache_bytes is not None:
+        # vLLM's CPU backend reserves gpu_memory_utilization x the host's memory unless told the bytes.
+        args["kv_cache_memory_bytes"] = r.cpu_kv_cache_bytes
     if tp_workers_in_placement_group:
         # A shared engine of TP > 1: vLLM's Ray executor puts one worker on each bundle named in
         # VLLM_RAY_BUNDLE_INDICES of this actor's placement group (runtimes.RayRuntime sets it).
@@ -173,6 +198,15 @@ class EngineCallTimeout(RuntimeError):
     """A call into vLLM did not finish within rollout.engineTimeoutS."""
 
 
+def _engine_dead_errors() -> tuple[type[BaseException], ...]:
+    """What the installed vLLM raises once its engine core process is gone (`EngineDeadError`)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:
+        return ()
+    return (EngineDeadError,)
+
+
 class _Loop:
     """A private asyncio loop on a daemon thread; AsyncLLM lives on it."""
 
@@ -219,6 +253,30 @@ class VLLMEngine(base.RolloutEngine):
         self._inflight: set[str] = set()
         self._timeout_s = cfg.rollout.engine_timeout_s
         self._pause = base.PauseState(name)  # partial rollouts: interrupt() / resume()
+        self._caps: platform.EngineCapabilities | None = None
+        self._engine_kwargs: dict[str, Any] | None = None  # decided at load(), kept for restarts
+        self.starts = 0  # engine starts: 1 + restarts to wake from a sleep the platform lacks
+        self.last_start_s: float | None = None  # seconds the last start took
+
+    @property
+    def capabilities(self) -> platform.EngineCapabilities:
+        """What the installed vLLM says it can do here (`platform.probe`), asked once."""
+        if self._caps is None:
+            caps = platform.probe()
+            if caps is None:
+                raise RuntimeError(
+                    f"engine {self.name}: rollout.kind is vllm but vLLM is not installed in this image "
+                    "(use the trainer image's CUDA, CPU or Ascend flavour, or rollout.kind transformers)"
+                )
+            self._caps = caps
+        return self._caps
+
+    @property
+    def sleeps_by_restart(self) -> bool:
+        """Sleep on a platform without sleep mode: the engine is shut down (its memory freed) and
+        started again on wake, never trusted to sleep (vLLM 0.32 on CPU: sleep() does nothing and
+        AsyncLLM.is_sleeping() then says True)."""
+        return self._state.sleep_enabled and not self.capabilities.sleep_mode
 
     @property
     def weight_transfer(self) -> Any:
@@ -257,27 +315,82 @@ class VLLMEngine(base.RolloutEngine):
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if self._loop is None:
             raise RuntimeError(f"engine {self.name}: load() has not been called")
-        return self._loop.run(coro, timeout_s)
+        try:
+            return self._loop.run(coro, timeout_s)
+        except _engine_dead_errors() as e:
+            raise base.EngineDiedError(
+                f"engine {self.name}: vLLM's engine core died ({type(e).__name__}: {e}); the engine "
+                "cannot serve again and is replaced"
+            ) from e
 
-    def load(self) -> None:
-        if self._llm is not None:
-            return
+    def _llm_or_raise(self) -> Any:
+        if self._llm is None:
+            raise base.EngineAsleepError(f"engine {self.name} is stopped (asleep); wake() it first")
+        return self._llm
+
+    def load(self) -> dict[str, Any]:
+        """Decide the engine arguments and start vLLM; returns what the platform can do
+        (`EngineCapabilities` as a dict) for the driver and the telemetry. A shared engine whose
+        platform has no sleep mode is not started here: the driver puts it to sleep at once, which on
+        such a platform means stopped; it starts when first woken."""
+        caps = self.capabilities
+        if self._engine_kwargs is not None:
+            return caps.to_dict()
         from rljob_trainer.weights import weight_sync
 
+        self._check_head_size(caps)
         transfer = self.weight_transfer
         if needs_pickle(transfer):
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        kwargs = engine_args(
+        if caps.host_memory_kv:
+            # "auto" pins the worker's threads to a core of every physical core of the NUMA node: on a
+            # small machine (or a pod sharing a node) under the trainer's own threads. The OS places
+            # them instead, OMP_NUM_THREADS as Ray sets it for the actor (its CPUs).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self._engine_kwargs = engine_args(
             self._cfg,
             model=self._resolve_model_path(),
-            sleep_enabled=self._state.sleep_enabled,
+            sleep_enabled=self._state.sleep_enabled and caps.sleep_mode,
             transfer_backend=transfer.backend if transfer.path == weight_sync.PATH_VLLM_NATIVE else None,
             tp_workers_in_placement_group=self._tp_in_group,
+            capabilities=caps,
         )
         if self.serves_lora:
             self._adapters = lora_adapter.AdapterStore(self.name)
         self._loop = _Loop(self.name)
-        self._llm = self._run(self._build(kwargs))
+        if self.sleeps_by_restart and self.colocated:
+            self._state.on_sleep(2)  # asleep from the start: stopped, nothing of it in memory
+            self._state.weights_valid = self.serves_lora  # see sleep(): a restart reloads the folder
+            return caps.to_dict()
+        self._start()
+        return caps.to_dict()
+
+    def _check_head_size(self, caps: platform.EngineCapabilities) -> None:
+        head_dim = _head_dim(self._cfg.model.hf_config)
+        if caps.head_sizes and head_dim is not None and head_dim not in caps.head_sizes:
+            raise ValueError(
+                f"engine {self.name}: vLLM {caps.vllm_version}'s attention on {caps.device_type} supports "
+                f"head sizes {list(caps.head_sizes)}, and this model's head_dim is {head_dim} (spec.model); "
+                "use a model with a supported head size, or spec.resources.rollout.kind transformers"
+            )
+
+    def _start(self) -> None:
+        """Start AsyncLLM (EngineCore and its workers: processes of their own) from the kept args."""
+        if self._loop is None or self._engine_kwargs is None:
+            raise RuntimeError(f"engine {self.name}: load() has not been called")
+        t0 = time.monotonic()
+        self._llm = self._run(self._build(self._engine_kwargs))
+        self.starts += 1
+        self.last_start_s = time.monotonic() - t0
+        log.info("engine %s: vLLM started in %.1f s (start %d)", self.name, self.last_start_s, self.starts)
+
+    def _stop(self) -> None:
+        """Shut vLLM down (its processes exit, their memory freed); what it served is gone with it."""
+        llm, self._llm = self._llm, None
+        self._inflight.clear()
+        self._adapter = None  # vLLM's adapters went with it; the driver re-adds the current one
+        if llm is not None:
+            llm.shutdown()
 
     @staticmethod
     async def _build(kwargs: dict[str, Any]) -> Any:
@@ -303,6 +416,10 @@ class VLLMEngine(base.RolloutEngine):
     @property
     def weights_version(self) -> int:
         return self._version
+
+    @property
+    def pause_state(self) -> base.PauseState:
+        return self._pause
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(
@@ -416,6 +533,10 @@ class VLLMEngine(base.RolloutEngine):
 
     # ---- sleep -----------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep where the platform has it; elsewhere (`sleeps_by_restart`) the engine shuts
+        down, which frees its memory and, at any level, loses the weights loaded since it started
+        (a LoRA-serving engine keeps its frozen base, which it reloads from the model folder, and
+        loses its adapter, which the driver re-adds)."""
         if self.is_sleeping:
             return
         if self.serves_lora and level == 2:  # see the module docstring; config load refuses it first
@@ -424,10 +545,18 @@ class VLLMEngine(base.RolloutEngine):
                 "which rljob cannot reload into vLLM's LoRA layers; use rollout.sleepLevel 1"
             )
         self._state.on_sleep(level)
+        if self.sleeps_by_restart:
+            self._stop()
+            self._state.weights_valid = self.serves_lora
+            return
         self._run(self._llm.sleep(level=level), self._timeout_s)
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         new = self._state.on_wake(tags)
+        if self.sleeps_by_restart:
+            if new and self._llm is None:
+                self._start()  # the weights the trainer has come with the next update_weights
+            return
         if new:  # only the tags still asleep: vLLM ignores a whole wake_up naming an awake tag
             self._run(self._llm.wake_up(tags=sorted(new)), self._timeout_s)
         if "kv_cache" in new:
@@ -442,10 +571,8 @@ class VLLMEngine(base.RolloutEngine):
         weights = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         if self.serves_lora:
             return self._update_adapter(dict(weights), version)
-        self._run(
-            self._llm.collective_rpc(_load_weights_on_worker, timeout=self._timeout_s, args=(weights,)),
-            self._timeout_s,
-        )
+        reload = functools.partial(_reload_weights_on_worker, weights=weights)
+        self._run(self._llm_or_raise().collective_rpc(reload, timeout=self._timeout_s), self._timeout_s)
         if self._state.fully_awake:
             self._run(self._llm.reset_prefix_cache(), self._timeout_s)  # KV of the old weights
         self._state.weights_valid = True
@@ -529,3 +656,22 @@ class VLLMEngine(base.RolloutEngine):
 
     def load_report(self) -> base.EngineLoad:
         return base.EngineLoad(self.name, self.is_sleeping, self._served, self._tokens)
+
+    def start_report(self) -> dict[str, Any]:
+        """How often vLLM started and how long the last start took (a wake by restart is a start)."""
+        return {"starts": self.starts, "last_start_s": self.last_start_s}
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes (the actor is going away)."""
+        self._stop()
+
+
+def _head_dim(hf_config: dict[str, Any] | None) -> int | None:
+    """The attention head size of a Hugging Face config (its text config's for a multimodal model)."""
+    if not hf_config:
+        return None
+    text = hf_config.get("text_config") or hf_config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    heads = text.get("num_attention_heads")
+    return int(text["hidden_size"]) // int(heads) if heads and text.get("hidden_size") else None

@@ -60,13 +60,14 @@ def tiny_hf_config(
     *,
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
     intermediate_size: int = 128,
     max_position_embeddings: int = 256,
     model_type: str = "qwen2",
 ) -> dict[str, Any]:
-    """A small decoder-only config dict (Qwen2 layout by default) for tests and the toy task."""
+    """A small decoder-only config dict (Qwen2 layout by default) for tests and the toy task. Heads of
+    32 by default: vLLM's CPU attention takes head sizes of 32 and up only (`engines.platform`)."""
     return {
         "model_type": model_type,
         "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],

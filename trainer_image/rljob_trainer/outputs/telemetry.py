@@ -145,7 +145,26 @@ class SyncReport(BaseModel):
         alias="trackerErrors",
         description="Experiment trackers (W&B, MLflow) that could not start or failed, with the cause.",
     )
-
+    engine_platform: str | None = Field(
+        None,
+        alias="enginePlatform",
+        max_length=256,
+        description="What the rollout engines' platform says it can do, asked of vLLM itself "
+        "(e.g. 'vLLM 0.32.0 on cpu, no sleep mode (sleep = stop, wake = restart)'); null without vLLM.",
+    )
+    shared_wake_s: float | None = Field(
+        None,
+        alias="sharedWakeS",
+        ge=0,
+        description="The longest wake of a shared engine since the previous report, the weight load "
+        "included (s); null when none woke.",
+    )
+    shared_wake_restarted: bool = Field(
+        False,
+        alias="sharedWakeRestarted",
+        description="That wake started the engine again: its platform has no sleep mode, so sleeping "
+        "had stopped it.",
+    )
     numerics: dict[str, float | None] = Field(
         default_factory=dict,
         description="The step's update numerics by metric name (NUMERICS_KEYS: verl's names where they mean "

@@ -187,13 +187,17 @@ class VLLMWeightTransferAPI:
 
     `backends`: the WeightTransferConfig backends this vLLM has (empty: no WeightTransferConfig);
     `generation`: the trainer side rljob drives (`GEN_*`; None: one rljob does not speak);
-    `platform`: "ascend" where vllm-ascend is installed (its HCCL / NPU-IPC trainer classes), else "cuda".
+    `platform`: "ascend" where vllm-ascend is installed (its HCCL / NPU-IPC trainer classes), else "cuda";
+    `dist_backend`: the collectives of vLLM's own platform (`current_platform.dist_backend`): "gloo" on
+    its CPU build, where no weight-transfer engine can run (NCCL and CUDA IPC need a GPU); "" where vLLM
+    found no platform (a CUDA build on a machine without a GPU: the API's names are all it says).
     """
 
     version: str
     backends: frozenset[str] = frozenset()
     generation: str | None = None
     platform: str = "cuda"
+    dist_backend: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,11 @@ def choose_weight_transfer(
             return WeightTransferChoice(PATH_COLLECTIVE_RPC, "object-store", "vLLM is not installed")
         if not vllm.backends:
             why = f"vLLM {vllm.version} has no WeightTransferConfig"
+        elif vllm.dist_backend == "gloo":
+            why = (
+                f"vLLM {vllm.version}'s platform runs its collectives on gloo (its CPU build): its "
+                f"weight-transfer engines ({', '.join(sorted(vllm.backends))}) need NCCL or CUDA IPC"
+            )
         elif wanted not in vllm.backends:
             have = sorted(vllm.backends)
             why = f"vLLM {vllm.version}'s WeightTransferConfig has no {wanted!r} backend ({have})"
@@ -282,10 +291,13 @@ def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
         return None  # a namespace package of that name, not an installed vLLM
     version = str(vllm.__version__)
     platform = "ascend" if importlib.util.find_spec("vllm_ascend") else "cuda"
+    from vllm.platforms import current_platform  # asked, not inferred from a device name
+
+    dist_backend = str(getattr(current_platform, "dist_backend", "") or "")
     try:
         from vllm.config import WeightTransferConfig
     except ImportError:
-        return VLLMWeightTransferAPI(version, platform=platform)
+        return VLLMWeightTransferAPI(version, platform=platform, dist_backend=dist_backend)
     modules = {"nccl": "nccl_engine", "ipc": "ipc_engine"}
     present = {
         b for b, m in modules.items() if importlib.util.find_spec(f"vllm.distributed.weight_transfer.{m}")
@@ -307,7 +319,7 @@ def detect_vllm_weight_transfer() -> VLLMWeightTransferAPI | None:
             nccl, "NCCLTrainerSendWeightsArgs"
         ):
             generation = GEN_STATIC_SENDER
-    return VLLMWeightTransferAPI(version, backends, generation, platform)
+    return VLLMWeightTransferAPI(version, backends, generation, platform, dist_backend)
 
 
 # ---- groups ----------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""What the installed vLLM can do on this machine, asked of vLLM itself; never inferred from a device name.
+
+Role: vLLM keeps every device difference behind `vllm.platforms.current_platform` (cuda, rocm, cpu,
+npu through vllm-ascend): `is_sleep_mode_available()`, `device_type`, the attention backends. rljob
+asks the same object (`probe`) and records the answer (`EngineCapabilities`) where the driver, the
+telemetry and the status read it: whether a shared engine can really sleep or must be shut down and
+started again, which weight paths can work, which head sizes the attention backend takes.
+
+`request_amx_permission` is registered as a vLLM general plugin (pyproject's
+`vllm.general_plugins` entry point), which vLLM loads in every one of its processes (the front end,
+EngineCore, each worker): on Linux x86-64 a process must ask the kernel for the AMX tile state
+(`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) before its first AMX instruction, and vLLM's
+CPU attention kernels use AMX for bf16 without asking (a tiny model dies with SIGILL at `tilezero`;
+a large one gets the permission by chance from oneDNN first). Callers: vLLM (the plugin),
+`engines.vllm_engine`, the driver, tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform as host_platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# <asm/prctl.h>: request permission for an extended state component; 18 is the AMX tile data.
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158  # x86-64 syscall number
+
+# vLLM 0.32's CPU attention (`cpu_attention_with_kv_cache`) supports these head sizes only
+# (vllm/v1/attention/backends/cpu_attn.py `CPUAttentionBackend.get_supported_head_sizes`); read from
+# the installed vLLM by `cpu_attention_head_sizes()`, kept here for the operator-side check that
+# cannot import vLLM (the conformance tier asserts the two agree).
+CPU_ATTENTION_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile-data permission in this process (a vLLM general plugin: vLLM calls it in
+    every process it starts). True when granted or already held; False where there is no AMX
+    (another CPU, another OS): nothing to do there."""
+    if host_platform.system() != "Linux" or host_platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        granted = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+    if not granted:  # EINVAL/EOPNOTSUPP: no AMX on this CPU, nothing can use it
+        log.debug("AMX tile data not granted (errno %s): no AMX here", ctypes.get_errno())
+    return granted
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What one installed vLLM can do here (`probe`); plain data, sent in telemetry as a dict.
+
+    `device_type`: vLLM's `current_platform.device_type` ("cuda", "cpu", "npu", ...);
+    `sleep_mode`: `current_platform.is_sleep_mode_available()`: without it a shared engine told to
+    sleep is shut down and started again (`vllm_engine.VLLMEngine.sleep`), never trusted to sleep;
+    `static_graphs`: `current_platform.support_static_graph_mode()` (CUDA graphs): where false, compiling
+    the model buys little and costs every start; `host_memory_kv`: the KV cache lives in host memory
+    (`current_platform.is_cpu()`), sized from bytes the engine is told (`rollout.cpuKvCacheBytes`);
+    `weight_transfer_backends`: the backends of vLLM's weight-transfer API that can work on this
+    platform (NCCL and CUDA IPC need a CUDA-alike device); `head_sizes`: what the attention backend
+    takes, where vLLM says (empty: not restricted by rljob's knowledge)."""
+
+    vllm_version: str
+    device_type: str
+    sleep_mode: bool
+    static_graphs: bool = True
+    host_memory_kv: bool = False
+    weight_transfer_backends: tuple[str, ...] = ()
+    head_sizes: tuple[int, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cpu_attention_head_sizes() -> tuple[int, ...]:
+    """The head sizes the installed vLLM's CPU attention backend supports (its own list)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    return tuple(int(h) for h in cpu_attn.CPUAttentionBackend.get_supported_head_sizes())
+
+
+def probe() -> EngineCapabilities | None:
+    """Ask the installed vLLM's platform what it can do (None when vLLM is not installed). Starts
+    nothing; imports vLLM."""
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    version = str(getattr(vllm, "__version__", "unknown"))
+    device = str(current_platform.device_type)
+    notes = []
+    sleep = bool(current_platform.is_sleep_mode_available())
+    if not sleep:
+        notes.append(f"vLLM {version} on {device}: no sleep mode (a shared engine is stopped and restarted)")
+    from rljob_trainer.weights import weight_sync  # deferred: torch
+
+    api = weight_sync.detect_vllm_weight_transfer()
+    # What the weight-transfer API offers, where the platform's collectives can carry it.
+    backends = tuple(sorted(api.backends)) if api is not None and api.dist_backend != "gloo" else ()
+    head_sizes: tuple[int, ...] = ()
+    host_memory_kv = bool(current_platform.is_cpu())
+    if host_memory_kv:
+        head_sizes = cpu_attention_head_sizes()
+    return EngineCapabilities(
+        vllm_version=version,
+        device_type=device,
+        sleep_mode=sleep,
+        static_graphs=bool(current_platform.support_static_graph_mode()),
+        host_memory_kv=host_memory_kv,
+        weight_transfer_backends=backends,
+        head_sizes=head_sizes,
+        notes=tuple(notes),
+    )
