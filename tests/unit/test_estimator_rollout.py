@@ -261,6 +261,7 @@ def test_kv_spec_matches_vllm_arithmetic() -> None:
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
     try:  # 0.33 moved the grouping into its own module; 0.32 (the CPU pin) has it in kv_cache_utils
         from vllm.v1.core.kv_cache_planning import _get_kv_cache_groups_uniform_page_size
     except ImportError:
