@@ -311,7 +311,7 @@ class GRPODriver:
         elif choice is not None and choice.path == weight_sync.PATH_VLLM_NATIVE:
             for r in self.ranks:  # every rank holds an end of a vLLM channel
                 self.rt.submit(r, "vllm_transfer_close", name)
-        self._shutdown_engine(name, eng.handle)
+        self._shutdown_engines({name: eng.handle})
         try:
             self.rt.kill(eng.handle)
         except Exception as e:  # already gone with its node
@@ -323,15 +323,27 @@ class GRPODriver:
         if lost and eng.colocated:
             self._restart_shared(name)
 
-    def _shutdown_engine(self, name: str, handle: Any) -> None:
-        """Let an engine stop its own processes (vLLM's EngineCore and workers outlive a killed actor
-        that did not shut them down); an engine that does not answer in time is killed regardless."""
-        try:
-            fut = self.rt.submit(handle, "shutdown")
-            if self.rt.wait_any([fut], ENGINE_SHUTDOWN_TIMEOUT_S):
-                self.rt.get(fut)
-        except Exception as e:  # a dead actor, or vLLM already gone
-            log.debug("shutdown %s: %s", name, e)
+    def _shutdown_engines(self, handles: dict[str, Any]) -> None:
+        """Let engines stop their own processes, all at once (vLLM's EngineCore and workers outlive a
+        killed actor that did not shut them down); one that does not answer in time is killed anyway."""
+        futures = {}
+        for name, handle in handles.items():
+            try:
+                futures[name] = self.rt.submit(handle, "shutdown")
+            except Exception as e:  # a dead actor
+                log.debug("shutdown %s: %s", name, e)
+        deadline = self.clock() + ENGINE_SHUTDOWN_TIMEOUT_S
+        while futures:
+            done = self.rt.wait_any(list(futures.values()), max(0.0, deadline - self.clock()))
+            if not done:
+                break
+            for name, fut in list(futures.items()):
+                if fut in done:
+                    del futures[name]
+                    try:
+                        self.rt.get(fut)
+                    except Exception as e:  # vLLM already gone
+                        log.debug("shutdown %s: %s", name, e)
 
     def _restart_shared(self, name: str) -> None:
         """A lost shared engine is started again on its trainer pod (no pod to replace: the trainer
@@ -815,8 +827,7 @@ class GRPODriver:
 
     def shutdown(self) -> None:
         self.tracker.close()
-        for name, eng in list(self.engines.items()):
-            self._shutdown_engine(name, eng.handle)
+        self._shutdown_engines({name: eng.handle for name, eng in self.engines.items()})
         for r in self.ranks:
             try:
                 self.rt.get(self.rt.submit(r, "shutdown"))
