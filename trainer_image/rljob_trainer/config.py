@@ -551,6 +551,102 @@ class EvaluationSettings(_Model):
     samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions per prompt (default one).")
 
 
+# ---- agents: multi-turn, tool-using episodes (rljob_trainer.rollout.agent) ------------------------
+TOOL_KINDS = ("calculator", "python", "http")
+
+
+class ToolSettings(_Model):
+    """One tool the policy may call between turns, offered through the model's chat template
+    (`tools=`); a call is parsed from what the engine generated and its result is appended as a tool
+    message whose tokens the loss masks out."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", description="The name the model calls.")
+    kind: Literal["calculator", "python", "http"] = Field(
+        ...,
+        description="calculator: arithmetic on numbers (no names, no calls); python: a sandboxed "
+        "interpreter (no network, CPU/memory/time limits, nothing of the trainer reachable); http: a "
+        "user tool, POST {'name', 'arguments'} to `url`, answered {'result': text}.",
+    )
+    description: str | None = Field(
+        None, description="What the model is told the tool does (default per kind)."
+    )
+    url: str | None = Field(
+        None, description="kind http: where calls go (in-cluster, inside the job's policy)."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="A call running longer fails (its result says so).")
+    cpu_seconds: float = Field(5.0, gt=0, description="kind python: CPU time of one call.")
+    memory_bytes: int = Field(256 * 1024**2, ge=16 * 1024**2, description="kind python: address space.")
+    max_result_chars: int = Field(2000, ge=16, description="A longer result is cut, saying so.")
+
+    @model_validator(mode="after")
+    def _http_url(self) -> ToolSettings:
+        if self.kind == "http" and not self.url:
+            raise ValueError(f"tool {self.name!r} of kind http needs a url")
+        return self
+
+
+class AgentSettings(_Model):
+    """Episodes of several turns: generate, call tools or step an environment, generate again, until
+    the model answers, `max_turns` or the token budget. Token-in/token-out: what an engine generated
+    is never re-tokenised, so log-probs, truncated IS and staleness stay exact per token."""
+
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode.")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Response tokens of one episode, generated and tool/observation tokens together "
+        "(default lengths.maxResponseTokens).",
+    )
+    tools: list[ToolSettings] = Field(default_factory=list)
+    environment: str | None = Field(
+        None, description="Name of an `environments` entry whose reset/step drive the episodes."
+    )
+    tool_call_format: Literal["hermes"] = Field(
+        "hermes",
+        description='How tool calls are written: hermes, <tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call> (Qwen2.5, SmolLM2, Hermes templates).",
+    )
+
+    @model_validator(mode="after")
+    def _unique_tools(self) -> AgentSettings:
+        names = [t.name for t in self.tools]
+        if len(names) != len(set(names)):
+            raise ValueError(f"agent.tools names must be unique: {names}")
+        return self
+
+
+class EnvironmentSettings(_Model):
+    """An environment server of the job (pods and a Service the operator runs; docs/contracts.md has
+    its reset/step protocol)."""
+
+    name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
+    url: str = Field(..., description="Base URL of its Service, e.g. http://<job>-env-<name>:8080.")
+    timeout_s: float = Field(30.0, gt=0, description="One reset or step running longer fails the episode.")
+
+
+class JudgeSettings(_Model):
+    """Rewards from a served model on engines of its own (`spec.reward.judge`)."""
+
+    kind: Literal["llm", "rewardModel"] = Field(
+        "llm",
+        description="llm: a generative judge asked with `prompt_template`, the last number of its answer "
+        "in [0, max_score] scaled to [0, 1]; rewardModel: a sequence-classification model's score.",
+    )
+    model: ModelSettings
+    prompt_template: str | None = Field(
+        None, description="llm: the judge's prompt; {prompt}, {response} and {answer} are filled in."
+    )
+    max_score: float = Field(10.0, gt=0)
+    max_tokens: int = Field(64, ge=1, description="llm: tokens of the judge's answer.")
+    weight: float = Field(1.0, description="Its weight among the job's rewards.")
+    engines: int = Field(1, ge=1, description="Judge engines (each on its own pod's accelerators).")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(4096, ge=1)
+    cpu_kv_cache_bytes: int | None = Field(None, ge=1, description="As rollout.cpuKvCacheBytes.")
+    batch_size: int = Field(32, ge=1, description="Responses scored per judge call.")
+    timeout_s: float = Field(120.0, gt=0, description="A batch not scored within this fails, named.")
+
+
 class TrainerConfig(_Model):
     """Everything one GRPO job needs; rendered by the operator, read by `python -m rljob_trainer`."""
 
@@ -568,6 +664,9 @@ class TrainerConfig(_Model):
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     log_interval_steps: int = Field(1, ge=1)
     evaluation: EvaluationSettings | None = Field(None, description="Held-out evaluation; None disables it.")
+    agent: AgentSettings | None = Field(None, description="Multi-turn, tool-using episodes; None: one turn.")
+    environments: list[EnvironmentSettings] = Field(default_factory=list)
+    judge: JudgeSettings | None = Field(None, description="Rewards from a served judge model.")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainerConfig:
@@ -583,6 +682,12 @@ class TrainerConfig(_Model):
                 "set model.finetune to lora or rollout.engineLora to false"
             )
         self._engine_lora_on_vllm()
+        if self.agent is not None and self.agent.environment is not None:
+            names = [e.name for e in self.environments]
+            if self.agent.environment not in names:
+                raise ValueError(
+                    f"agent.environment {self.agent.environment!r} is not one of environments {names}"
+                )
         samples = self.grpo.group_size * self.grpo.prompts_per_step
         if samples % self.grpo.mini_batches_per_step:
             raise ValueError(
