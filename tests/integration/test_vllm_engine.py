@@ -315,3 +315,42 @@ def test_a_head_size_the_platforms_attention_refuses_is_named_before_vllm_starts
     with pytest.raises(ValueError, match=r"head_dim is 16 \(spec.model\).*rollout.kind transformers"):
         engine.load()
     assert engine.starts == 0
+
+
+def test_a_lora_adapter_arrives_through_add_lora_and_the_engine_serves_the_trainers_policy() -> None:
+    """rollout.engineLora on the real engine: each sync writes the adapter as a PEFT folder, vLLM's
+    add_lora takes it under a new id and remove_lora drops the previous one; generation then follows
+    the trainer's LoRA policy (its processed log-probs equal the PEFT model's)."""
+    peft = pytest.importorskip("peft")
+    from rljob_trainer.weights import weight_sync
+
+    cfg = _cfg(
+        model={"finetune": "lora", "lora": {"rank": 4, "alpha": 8.0, "targetModules": "all-linear"}},
+        rollout={"engineLora": True, "sleepLevel": 1},
+    )
+    engine = vllm_engine.VLLMEngine(cfg, name="lora", colocated=False)
+    engine.load()
+    try:
+        base_model = modeling.build_base_model(cfg.model, init_seed=cfg.grpo.seed)  # what the engine loaded
+        policy = modeling.apply_finetune_mode(base_model, cfg.model)
+        gen = torch.Generator().manual_seed(11)
+        for version in (1, 2):
+            with torch.no_grad():
+                for name, p in policy.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            with weight_sync.engine_tensors(policy, weight_sync.SEND_ADAPTER) as tensors:
+                adapter = {n: t.detach().clone() for n, t in tensors}
+            engine.update_weights(adapter, version)
+            assert engine.adapter_version() == version
+            listed = engine._run(engine._llm.list_loras())
+            assert list(listed) == [engine._adapter.lora_int_id], "the previous adapter is removed"
+            outs = engine.generate(PROMPTS, _sampling(len(PROMPTS)))
+            diff = max(
+                float((_trainer_logprobs(policy.eval(), cfg, o) - torch.tensor(o.logprobs)).abs().max())
+                for o in outs
+            )
+            assert diff < 1e-4, f"LoRA: engine vs trainer processed log-probs differ by {diff}"
+        assert isinstance(policy, peft.PeftModel)
+    finally:
+        engine.shutdown()

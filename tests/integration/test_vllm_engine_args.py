@@ -1,0 +1,65 @@
+"""The estimator's engine arguments, as the operator renders them for every example, taken by vLLM's
+own configuration code (`EngineArgs.create_engine_config()` of the installed release: vLLM's CPU
+build, what the local cluster's pods run). A plan vLLM refuses would otherwise surface only in a pod.
+
+Models are given as a folder holding the example's `config.json` alone (no weights): vLLM builds its
+whole configuration (scheduler, cache, model, attention checks) from that, without loading a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("vllm")
+
+from rljob_operator import api, builders
+from rljob_operator import estimator as est
+from rljob_operator.decide import planning
+from rljob_trainer.engines import platform, vllm_engine
+
+pytestmark = [pytest.mark.vllm]
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def _model_config(spec: api.RLJobSpec) -> dict[str, Any]:
+    source = spec.model.config
+    if source.inline is not None:
+        return dict(source.inline)
+    assert source.preset is not None, "examples carry their model config inline or as a preset"
+    return est.load_preset(source.preset)
+
+
+def _runs_on_vllms_cpu_build(spec: api.RLJobSpec, model_config: dict[str, Any]) -> bool:
+    """Examples whose engines the CPU build serves: on CPU pools and the local-exec GPU/NPU pools."""
+    head = est.ModelGeometry.from_hf_config(model_config).head_dim
+    return spec.resources.rollout.kind == "vllm" and head in platform.CPU_ATTENTION_HEAD_SIZES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_rendered_engine_arguments_are_ones_vllm_takes(path: Path, tmp_path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "RLJob"]
+    spec = api.RLJobSpec.model_validate(docs[0]["spec"])
+    model_config = _model_config(spec)
+    if not _runs_on_vllms_cpu_build(spec, model_config):
+        pytest.skip(f"{path.name}: not a model vLLM's CPU build serves (its engines run on accelerators)")
+    plan = planning.plan_status(planning.plan_job(spec, model_config))
+    cfg = builders.render_trainer_config(spec, plan, model_config)
+    (tmp_path / "config.json").write_text(json.dumps(model_config))
+    caps = platform.probe()
+    args = vllm_engine.engine_args(cfg, model=str(tmp_path), sleep_enabled=False, capabilities=caps)
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(**args, skip_tokenizer_init=True).create_engine_config()
+    assert config.scheduler_config.max_num_seqs == cfg.rollout.max_num_seqs == plan.max_num_seqs
+    assert config.scheduler_config.max_num_batched_tokens == cfg.rollout.max_num_batched_tokens
+    assert config.model_config.max_model_len == cfg.lengths.max_model_len_tokens
+    assert config.cache_config.kv_cache_memory_bytes == cfg.rollout.cpu_kv_cache_bytes
+    # The bytes hold the plan's maxNumSeqs sequences of the longest length vLLM will schedule.
+    per_token = plan.kv_bytes_per_token or 0
+    assert cfg.rollout.cpu_kv_cache_bytes >= per_token * config.model_config.max_model_len
