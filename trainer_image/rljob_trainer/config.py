@@ -573,6 +573,11 @@ class ToolSettings(_Model):
     url: str | None = Field(
         None, description="kind http: where calls go (in-cluster, inside the job's policy)."
     )
+    parameters: dict[str, Any] | None = Field(
+        None,
+        description="kind http: the JSON schema of the call's arguments, offered to the model through "
+        "the chat template (default: an object with no declared properties).",
+    )
     timeout_s: float = Field(10.0, gt=0, description="A call running longer fails (its result says so).")
     cpu_seconds: float = Field(5.0, gt=0, description="kind python: CPU time of one call.")
     memory_bytes: int = Field(256 * 1024**2, ge=16 * 1024**2, description="kind python: address space.")
@@ -682,6 +687,17 @@ class TrainerConfig(_Model):
                 "set model.finetune to lora or rollout.engineLora to false"
             )
         self._engine_lora_on_vllm()
+        if (
+            self.agent is not None
+            and self.agent.max_total_tokens is not None
+            and self.agent.max_total_tokens > self.lengths.max_response_tokens
+        ):
+            # The engines' context is maxPromptTokens + maxResponseTokens (vLLM's max_model_len).
+            raise ValueError(
+                f"agent.maxTotalTokens ({self.agent.max_total_tokens}) must be <= "
+                f"lengths.maxResponseTokens ({self.lengths.max_response_tokens}): an episode's turns and "
+                "tool results share the engines' response budget; raise lengths.maxResponseTokens"
+            )
         if self.agent is not None and self.agent.environment is not None:
             names = [e.name for e in self.environments]
             if self.agent.environment not in names:
