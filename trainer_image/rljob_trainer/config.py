@@ -68,6 +68,11 @@ DEFAULT_RAY_PORT = 6379
 ROLLOUT_RESOURCE_PREFIX = "rljob_rollout_"
 # Ray custom resource that marks trainer pod i (one unit per bundle of its placement group).
 TRAINER_RESOURCE_PREFIX = "rljob_trainer_"
+# The judge's pods (`<job>-judge-<k>`, `judge.engines` of them): Ray workers like rollout pods, each
+# advertising `rljob_judge_<k>: 1`; the driver places judge engine k on it. ROLE_JUDGE is not in ROLES
+# until `__main__` starts judge pods as Ray workers (the trainer image's side of the contract).
+ROLE_JUDGE = "judge"
+JUDGE_RESOURCE_PREFIX = "rljob_judge_"
 
 # Ray's names for the accelerators of each Kubernetes accelerator kind.
 RAY_ACCELERATORS: dict[str, str | None] = {"cpu": None, "nvidia": "GPU", "amd": "GPU", "ascend": "NPU"}
@@ -81,6 +86,11 @@ def rollout_resource_name(pod_index: int) -> str:
 def trainer_resource_name(pod_index: int) -> str:
     """Ray custom resource name advertised by trainer pod `pod_index` (`rljob_trainer_<i>`)."""
     return f"{TRAINER_RESOURCE_PREFIX}{pod_index}"
+
+
+def judge_resource_name(pod_index: int) -> str:
+    """Ray custom resource name advertised by judge pod `pod_index` (`rljob_judge_<k>`)."""
+    return f"{JUDGE_RESOURCE_PREFIX}{pod_index}"
 
 
 class _Model(BaseModel):
@@ -625,7 +635,10 @@ class EnvironmentSettings(_Model):
     its reset/step protocol)."""
 
     name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
-    url: str = Field(..., description="Base URL of its Service, e.g. http://<job>-env-<name>:8080.")
+    url: str = Field(
+        ...,
+        description="Base URL of its Service, as the operator renders it: http://<job>-env-<name>.<ns>.svc:80.",
+    )
     timeout_s: float = Field(30.0, gt=0, description="One reset or step running longer fails the episode.")
 
 
@@ -645,6 +658,16 @@ class JudgeSettings(_Model):
     max_tokens: int = Field(64, ge=1, description="llm: tokens of the judge's answer.")
     weight: float = Field(1.0, description="Its weight among the job's rewards.")
     engines: int = Field(1, ge=1, description="Judge engines (each on its own pod's accelerators).")
+    tensor_parallel: int = Field(
+        1, ge=1, description="Accelerators of one judge engine (its pod's), the estimator's choice."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of accelerator memory.")
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM max_model_len of a judge engine: the longest judge prompt (template + prompt + "
+        "response) plus max_tokens, as the estimator planned it. None: the model's own.",
+    )
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=1)
     cpu_kv_cache_bytes: int | None = Field(None, ge=1, description="As rollout.cpuKvCacheBytes.")
