@@ -525,6 +525,7 @@ def gspo_policy_loss(
     rollout_logp: torch.Tensor | None = None,
     tis_cap: float = 2.0,
     weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"; verl's
     `compute_policy_loss_gspo`): one importance ratio per sequence, the geometric mean of its token
@@ -535,12 +536,15 @@ def gspo_policy_loss(
     (staleness > 0) gives the truncated IS weight at `tis_cap`, as `clipped-tis` does.
     `clip_ratio_c` is accepted for a uniform call and unused (GSPO has no dual-clip). A token outside
     either nucleus (-inf: log π − sg[log π] would be NaN) gives 0 and no gradient and is left out of
-    its sequence's mean. Returns (per-token loss (T,), clipped indicator (T,) float).
+    its sequence's mean. `mask` (T,) (1.0 on tokens that count; a multi-turn episode's observation
+    tokens are 0) leaves the tokens it drops out of the sequence's mean as well; the caller's
+    aggregation drops their loss. Returns (per-token loss (T,), clipped indicator (T,) float).
     """
     del clip_ratio_c
     valid = in_nucleus(logp, old_logp)
     lp, olp = zero_where_dropped(logp, valid), zero_where_dropped(old_logp, valid)
-    seq_log_ratio = _seq_mean(clamped_log_ratio(lp, olp), seq_ids, valid)
+    in_mean = valid if mask is None else valid & (mask > 0)
+    seq_log_ratio = _seq_mean(clamped_log_ratio(lp, olp), seq_ids, in_mean)
     log_s = torch.clamp(lp - lp.detach() + seq_log_ratio.detach(), max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     unclipped = -advantages * ratio

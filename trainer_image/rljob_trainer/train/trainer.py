@@ -42,6 +42,13 @@ class TrainSample:
     unknown) and `weights_version` the trainer step whose weights generated it. `side` holds
     per-token arrays aligned with prompt+response (e.g. `mm_token_type_ids`); they are packed with
     the ids and passed to the model.
+
+    `loss_mask` (aligned with `response_ids`; empty: every response token) is 1 on the tokens the
+    policy generated and 0 on the tokens it did not (a multi-turn episode's tool results and
+    environment observations, `rljob_trainer.rollout.agent`). A 0 token is in the forward (it is
+    context for what follows) and nowhere else: not in the loss, KL, entropy, the clip and rollout
+    metrics or the importance weights, and in no denominator of a per-token aggregation (a
+    sequence's token count, the batch's token count): an episode weighs as its generated tokens do.
     """
 
     prompt_ids: tuple[int, ...]
@@ -50,22 +57,42 @@ class TrainSample:
     side: dict[str, Any] = field(default_factory=dict)
     rollout_logprobs: tuple[float, ...] = ()
     weights_version: int = 0
+    loss_mask: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.loss_mask and len(self.loss_mask) != len(self.response_ids):
+            raise ValueError(
+                f"loss_mask has {len(self.loss_mask)} entries for {len(self.response_ids)} response tokens"
+            )
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def mask(self) -> tuple[int, ...]:
+        """1 per response token the loss trains on (all of them without a `loss_mask`)."""
+        return self.loss_mask or (1,) * len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens the loss counts (the per-token aggregations' denominators)."""
+        return sum(self.mask)
+
 
 def sample_from_output(out: Any, advantage: float, *, eos_id: int) -> TrainSample:
-    """A `TrainSample` from an engine's `GenerationOutput` (an empty response trains on one EOS)."""
+    """A `TrainSample` from an engine's `GenerationOutput` (an empty response trains on one EOS), or
+    from a multi-turn episode's (`rollout.agent.AgentOutput`: its `loss_mask` comes along)."""
     response = tuple(out.token_ids)
     logprobs = tuple(out.logprobs) if response and len(out.logprobs) == len(response) else ()
+    mask = tuple(getattr(out, "loss_mask", ())) if response else ()
     return TrainSample(
         tuple(out.prompt_token_ids),
         response or (eos_id,),
         advantage,
         rollout_logprobs=logprobs,
         weights_version=int(out.meta.get("version", 0)),
+        loss_mask=mask,
     )
 
 
@@ -501,11 +528,11 @@ class TrainingRank:
         lp64 = torch.cat([lp.detach().cpu().double() for _, lp in pairs])
         engine = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float64) for s, _ in pairs])
         seq_ids = torch.cat([torch.full((len(lp),), n, dtype=torch.long) for n, (_, lp) in enumerate(pairs)])
-        mask = torch.ones_like(lp64)
+        mask = torch.cat([torch.tensor(s.mask, dtype=torch.float64) for s, _ in pairs])
         sums = rollout_correction.correction_sums(lp64, engine, mask, seq_ids, self._correction)
         for key, value in sums.items():
             stats[f"corr/{key}"] += float(value)
-        valid = algos.in_nucleus(lp64, engine)
+        valid = algos.in_nucleus(lp64, engine) & (mask > 0)  # observation tokens: no IS weight
         w = torch.exp(lp64[valid] - engine[valid])
         stats["is_weight_sum"] += float(w.sum())
         stats["is_weight_tokens"] += float(w.numel())
@@ -545,7 +572,8 @@ class TrainingRank:
         seq_ids = torch.cat(
             [torch.full((len(lp),), n, dtype=torch.long, device=logp.device) for n, lp in enumerate(lps)]
         )
-        mask = torch.ones_like(logp)
+        # 1 on generated tokens, 0 on an episode's observation tokens (TrainSample.loss_mask).
+        mask = torch.cat([torch.tensor(s.mask, dtype=logp.dtype, device=logp.device) for s in mb])
         agg = {
             "mode": g.loss_agg,
             "global_num_seqs": mb_batch.global_num_seqs,
@@ -568,6 +596,7 @@ class TrainingRank:
             )["weight"].to(logp.dtype)
         if algos.needs_seq_ids(g.policy_loss):
             extra["seq_ids"] = seq_ids
+            extra["mask"] = mask  # a sequence's ratio is over the tokens it generated
         per_tok, clipped = policy_loss(logp, old_lp, adv, clip_low=g.clip_low, clip_high=g.clip_high, **extra)
         pg = algos.aggregate_loss(per_tok, mask, seq_ids, **agg)
         loss = pg
@@ -590,13 +619,14 @@ class TrainingRank:
         if ents is not None:  # aggregated as the loss is, as verl's actor/entropy is
             ent = torch.cat(ents).to(mask.dtype)
             stats["entropy"] += float(algos.aggregate_loss(ent, mask, seq_ids, **agg))
-        stats["pg_clipfrac_tokens"] += float(clipped.sum())
-        stats["pg_clipfrac_ratio_low_tokens"] += float(clip["clipped_low"].sum())
-        stats["pg_clipfrac_ratio_high_tokens"] += float(clip["clipped_high"].sum())
-        stats["pg_clipfrac_lower_tokens"] += float(clip["dual_clipped"].sum())
-        stats["ppo_kl_sum"] += float(clip["ppo_kl"].sum())
-        stats["out_of_nucleus_tokens"] += float(clip["out_of_nucleus"].sum())
-        stats["loss_tokens"] += float(clipped.numel())
+        m = mask.to(clipped.dtype)
+        stats["pg_clipfrac_tokens"] += float((clipped * m).sum())
+        stats["pg_clipfrac_ratio_low_tokens"] += float((clip["clipped_low"] * m).sum())
+        stats["pg_clipfrac_ratio_high_tokens"] += float((clip["clipped_high"] * m).sum())
+        stats["pg_clipfrac_lower_tokens"] += float((clip["dual_clipped"] * m).sum())
+        stats["ppo_kl_sum"] += float((clip["ppo_kl"] * m).sum())
+        stats["out_of_nucleus_tokens"] += float((clip["out_of_nucleus"] * m).sum())
+        stats["loss_tokens"] += float(m.sum())
         stats["tokens"] += float(sum(s.length for s in mb))
         return loss
 
