@@ -650,7 +650,8 @@ class GRPODriver:
                 lengths, world, spec=self.spec, cost=self.cost, enabled=cfg.batching.dp_balance
             )
             balance_metrics = balance_metrics or m
-            n_resp = sum(len(samples[i].response_ids) for i in mb)
+            # token-mean's denominator: the tokens the loss trains on (an episode's observations not)
+            n_resp = sum(samples[i].num_loss_tokens for i in mb)
             for r, shard in enumerate(shards):
                 per_rank[r].append(
                     trainer.RankMiniBatch(tuple(samples[mb[j]] for j in shard), len(mb), n_resp)
