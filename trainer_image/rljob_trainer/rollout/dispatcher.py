@@ -7,6 +7,12 @@ dispatching + generating), `engineSeconds` (∫ awake engines dt) and `snapshotI
 the sync instant, what the seed's snapshot rule read). The state stays in this one object in the
 driver process (the seed's bug was a load counter in another process that nobody wrote).
 
+A request may be pinned to an engine (`submit(..., engine=)`): a multi-turn episode's later turns
+go to the engine that served its first, whose prefix cache holds the episode so far. A pinned
+request waits for its engine while that engine is awake and busy; once the engine is gone (removed:
+lost or drained) or no longer awake, the pin is dropped and the request goes to any engine (the
+episode continues there from its tokens, token-in/token-out: nothing is lost but the cache).
+
 The clock is injected (monotonic seconds), so tests drive it exactly. Callers:
 `rljob_trainer.driver` (generation loop and sync points), tests.
 """
@@ -44,6 +50,7 @@ class Dispatcher:
         self._next_id = 0
         self._phase: dict[int, Phase] = {}
         self._engine_of: dict[int, str] = {}
+        self._pin: dict[int, str] = {}
         self._awake: dict[str, bool] = {}
         self._capacity: dict[str, int] = {}
         self._inflight_request_seconds = 0.0
@@ -91,18 +98,26 @@ class Dispatcher:
             if e == engine:
                 del self._engine_of[rid]
                 self._phase[rid] = Phase.QUEUED
+        for rid in [r for r, e in self._pin.items() if e == engine]:
+            del self._pin[rid]  # its episode continues on any engine
         self._awake.pop(engine, None)
         self._capacity.pop(engine, None)
 
     # ---- requests --------------------------------------------------------------------------------
-    def submit(self, count: int) -> list[int]:
-        """Queue `count` new requests; returns their ids."""
+    def submit(self, count: int, *, engine: str | None = None) -> list[int]:
+        """Queue `count` new requests, pinned to `engine` when given (and registered); returns their ids."""
         self._advance()
         ids = list(range(self._next_id, self._next_id + count))
         self._next_id += count
         for rid in ids:
             self._phase[rid] = Phase.QUEUED
+            if engine is not None and engine in self._awake:
+                self._pin[rid] = engine
         return ids
+
+    def pinned_to(self, rid: int) -> str | None:
+        """The engine request `rid` waits for, if it is pinned."""
+        return self._pin.get(rid)
 
     def admit(
         self,
@@ -116,7 +131,8 @@ class Dispatcher:
         `max_per_engine` caps what one call hands each engine (one generate call); `engines` limits
         the call to those engines and `requests` to those request ids (e.g. engines colocated with
         training take only the step the trainer waits for). Returns {engine: request ids now
-        DISPATCHING}; engines that got nothing are absent.
+        DISPATCHING}; engines that got nothing are absent. A pinned request goes only to its engine
+        while that engine is awake (it waits while the engine is busy), anywhere once it is not.
         """
         self._advance()
         queued = sorted(
@@ -130,10 +146,16 @@ class Dispatcher:
         free = {e: self._capacity[e] - self.engine_inflight(e) for e in awake}
         out: dict[str, list[int]] = {}
         for rid in queued:
-            candidates = [e for e, f in free.items() if f > 0]
+            pin = self._pin.get(rid)
+            if pin is not None and not self._awake.get(pin, False):
+                del self._pin[rid]  # its engine sleeps or drains: the episode continues elsewhere
+                pin = None
+            candidates = [e for e, f in free.items() if f > 0 and (pin is None or e == pin)]
             if max_per_engine is not None:
                 candidates = [e for e in candidates if len(out.get(e, [])) < max_per_engine]
             if not candidates:
+                if pin is not None:
+                    continue  # it waits for its own engine; the others may still go
                 break
             engine = max(candidates, key=lambda e: (free[e], -len(out.get(e, []))))
             out.setdefault(engine, []).append(rid)
@@ -171,6 +193,7 @@ class Dispatcher:
                 raise ValueError(f"request {rid} is not in flight")
             del self._phase[rid]
             self._engine_of.pop(rid, None)
+            self._pin.pop(rid, None)
 
     # ---- sync points -----------------------------------------------------------------------------
     def close_interval(self) -> IntervalLoad:
