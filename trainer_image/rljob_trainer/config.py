@@ -407,6 +407,23 @@ class RolloutSettings(_Model):
 
 
 # ---- data and rewards ----------------------------------------------------------------------------
+class ReasoningGymSettings(_Model):
+    """A reasoning-gym task as a dataset (`rljob_trainer.data.reasoning_gym`): item i of (task, config,
+    seed) is always the same item, so a seed names a dataset and another seed a held-out one."""
+
+    task: str = Field(..., min_length=1, description="reasoning-gym task name, e.g. chain_sum.")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="The task's config fields (its *Config dataclass), e.g. max_terms."
+    )
+    size: int = Field(1000, ge=1, le=1_000_000, description="Items in the dataset.")
+    seed: int = Field(0, ge=0, description="The dataset's seed (item i is built from seed + i).")
+    answer_format: Literal["answerTag", "answerTagOrLastNumber"] = Field(
+        "answerTag",
+        description="How the reward reads a completion's answer: answerTag (the last <answer>...</answer>, "
+        "reasoning-gym's convention) or answerTagOrLastNumber (the tag, else the last number).",
+    )
+
+
 class DataSettings(_Model):
     builtin: str | None = Field("toy-arithmetic", description="Name of a dataset shipped with the package.")
     path: str | None = Field(
@@ -429,16 +446,26 @@ class DataSettings(_Model):
         False, description="Wrap each prompt as a user message with the tokenizer's chat template."
     )
     shuffle: bool = Field(True, description="Reshuffle every epoch with a seed derived from grpo.seed.")
+    system_prompt: str | None = Field(
+        None,
+        description="With chatTemplate: a system message before each prompt (None: the template's own "
+        "default, if it has one).",
+    )
+    reasoning_gym: ReasoningGymSettings | None = Field(
+        None, description="A reasoning-gym task (overrides builtin; score it with the reasoningGym reward)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSettings:
-        if not self.builtin and not self.path and not self.hub_id:
-            raise ValueError("data needs data.builtin, data.path or data.hubId")
+        if not self.builtin and not self.path and not self.hub_id and not self.reasoning_gym:
+            raise ValueError("data needs data.builtin, data.path, data.hubId or data.reasoningGym")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("data.systemPrompt needs data.chatTemplate: true (it is a chat message)")
         return self
 
 
 class RewardFunctionSettings(_Model):
-    name: Literal["mathAccuracy", "format", "module"] = Field(...)
+    name: Literal["mathAccuracy", "format", "reasoningGym", "module"] = Field(...)
     weight: float = Field(1.0)
     import_path: str | None = Field(None, description="Importable module of a user reward (name=module).")
     path: str | None = Field(None, description="A .py file of a user reward (name=module).")
@@ -710,6 +737,7 @@ class TrainerConfig(_Model):
                 "set model.finetune to lora or rollout.engineLora to false"
             )
         self._engine_lora_on_vllm()
+        self._reasoning_gym_rewards()
         if (
             self.agent is not None
             and self.agent.max_total_tokens is not None
@@ -734,6 +762,38 @@ class TrainerConfig(_Model):
                 f"grpo.miniBatchesPerStep ({self.grpo.mini_batches_per_step})"
             )
         return self
+
+    def _reasoning_gym_rewards(self) -> None:
+        """reasoning-gym data is scored by its task (reward reasoningGym), and only it can score it; a
+        held-out seed differs from the training seed."""
+        names = {r.name for r in self.rewards}
+        train = self.data.reasoning_gym
+        if train is not None and "mathAccuracy" in names:
+            raise ValueError(
+                "rewards: mathAccuracy compares final numbers of GSM8K-style answers and cannot read a "
+                "reasoning-gym answer; use the reward reasoningGym (the task's own score_answer)"
+            )
+        if "reasoningGym" in names and train is None:
+            raise ValueError(
+                "rewards: reasoningGym scores data.reasoningGym prompts only; set data.reasoningGym"
+            )
+        if self.evaluation is None:
+            return
+        ev = self.evaluation.data.reasoning_gym
+        if (train is None) != (ev is None):
+            raise ValueError(
+                "evaluation.data and data must both be reasoning-gym tasks or neither: the job's one "
+                "reward scores both"
+            )
+        if (
+            ev is not None
+            and train is not None
+            and (ev.task, ev.config, ev.seed) == (train.task, train.config, train.seed)
+        ):
+            raise ValueError(
+                "evaluation.data.reasoningGym has the training task, config and seed: its prompts would be "
+                "the training prompts; give the evaluation another seed"
+            )
 
     def _engine_lora_on_vllm(self) -> None:
         """vLLM engines serving LoRA (engines.vllm_engine): a max_lora_rank vLLM accepts, and no

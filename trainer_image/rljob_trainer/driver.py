@@ -589,7 +589,7 @@ class GRPODriver:
 
     # ---- generation ------------------------------------------------------------------------------
     def _encode_prompt(self, text: str) -> list[int]:
-        return sources.encode_prompt(self.tokenizer, text, chat_template=self.cfg.data.chat_template)
+        return sources.encode_data_prompt(self.tokenizer, text, self.cfg.data)
 
     def _score(self, job: pipeline.GenJob) -> dynamic_sampling.ScoredBatch:
         """One generation job's completions with their rewards (one entry per sample)."""

@@ -123,13 +123,26 @@ def batched(fn: RewardFn) -> BatchRewardFn:
     return batch
 
 
+def _reasoning_gym_scores(
+    prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], **kwargs: Any
+) -> list[float]:
+    from rljob_trainer.data import reasoning_gym  # imports reasoning-gym only for jobs that use it
+
+    return reasoning_gym.score_batch(prompts, completions, answers, **kwargs)
+
+
+# Builtins written for the whole batch (`reasoningGym`: the task's own score_answer, data.reasoning_gym).
+BATCH_REWARD_FUNCTIONS: dict[str, BatchRewardFn] = {"reasoningGym": _reasoning_gym_scores}
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """Look up a builtin reward by name; ValueError lists the valid names."""
     try:
         return REWARD_FUNCTIONS[name]
     except KeyError:
         raise ValueError(
-            f"unknown reward {name!r}; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}, or 'module' "
+            f"unknown reward {name!r}; valid names: "
+            f"{', '.join(sorted([*REWARD_FUNCTIONS, *BATCH_REWARD_FUNCTIONS]))}, or 'module' "
             "with module and function"
         ) from None
 
@@ -227,6 +240,10 @@ def build_reward_fn(settings: Sequence[config_mod.RewardFunctionSettings]) -> We
             names.append(f"{s.import_path or s.path}:{s.function}")
             key = f"{Path(s.path).stem if s.path else s.import_path}:{s.function}"
             keys.append(key if key not in keys else f"{key}#{len(keys)}")
+        elif s.name in BATCH_REWARD_FUNCTIONS:
+            fns.append(BATCH_REWARD_FUNCTIONS[s.name])
+            names.append(s.name)
+            keys.append(s.name)
         else:
             fns.append(batched(get_reward_fn(s.name)))
             names.append(s.name)

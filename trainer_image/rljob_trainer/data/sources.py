@@ -1,7 +1,8 @@
 """Prompt datasets and the deterministic, resumable prompt sampler.
 
 Role: load (prompt, answer) examples from a dataset shipped with the package (`datasets/*.jsonl`,
-written by hand for this project, nothing downloaded), from files on a volume (a `.jsonl`, `.json`,
+written by hand for this project, nothing downloaded), from a reasoning-gym task
+(`data.reasoning_gym`: generated offline, seeded), from files on a volume (a `.jsonl`, `.json`,
 `.parquet` or `.arrow` file, a directory of them, or a `Dataset.save_to_disk` folder) or from the
 Hugging Face Hub (id, subset, split; `HF_ENDPOINT` and the token from the environment), all through
 the `datasets` library; encode prompts (optionally with the tokenizer's chat template); and hand
@@ -124,7 +125,12 @@ def _examples_from_rows(rows: Any, prompt_field: str, answer_field: str, source:
 
 
 def load_examples(settings: config_mod.DataSettings) -> list[Example]:
-    """The examples `settings` names (data.hubId, then data.path, win over data.builtin)."""
+    """The examples `settings` names (data.reasoningGym, then data.hubId, then data.path, win over
+    data.builtin)."""
+    if settings.reasoning_gym is not None:
+        from rljob_trainer.data import reasoning_gym
+
+        return [Example(prompt=p, answer=a) for p, a in reasoning_gym.load_pairs(settings.reasoning_gym)]
     if settings.hub_id:
         rows = _rows_from_hub(settings)
         return _examples_from_rows(
@@ -140,9 +146,12 @@ def load_examples(settings: config_mod.DataSettings) -> list[Example]:
     return _read_jsonl(text, "prompt", "answer", f"builtin:{settings.builtin}")
 
 
-def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool) -> list[int]:
-    """Token ids of a prompt: the raw text, or one user message rendered by the tokenizer's chat
-    template with the generation prompt appended (what a chat model was trained to answer)."""
+def encode_prompt(
+    tokenizer: Any, text: str, *, chat_template: bool, system_prompt: str | None = None
+) -> list[int]:
+    """Token ids of a prompt: the raw text, or one user message (after `system_prompt` as a system
+    message, when given) rendered by the tokenizer's chat template with the generation prompt
+    appended (what a chat model was trained to answer)."""
     if not chat_template:
         return list(tokenizer.encode(text, add_special_tokens=False))
     if not getattr(tokenizer, "chat_template", None):
@@ -150,10 +159,25 @@ def encode_prompt(tokenizer: Any, text: str, *, chat_template: bool) -> list[int
             "data.chatTemplate is true but the tokenizer has no chat template; set it to false or use "
             "a model whose tokenizer_config.json has one"
         )
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def encode_data_prompt(tokenizer: Any, text: str, settings: config_mod.DataSettings) -> list[int]:
+    """`encode_prompt` as `settings` ask (chat template, system prompt)."""
+    return encode_prompt(
+        tokenizer, text, chat_template=settings.chat_template, system_prompt=settings.system_prompt
+    )
+
+
+def source_name(settings: config_mod.DataSettings) -> str:
+    """How logs and errors name a data source."""
+    if settings.reasoning_gym is not None:
+        rg = settings.reasoning_gym
+        return f"reasoning-gym:{rg.task}(seed={rg.seed}, size={rg.size})"
+    return settings.path or settings.hub_id or f"builtin:{settings.builtin}"
 
 
 @dataclass(frozen=True)
@@ -228,8 +252,8 @@ def load_fitting_examples(
     """`load_examples`, without the prompts longer than `max_prompt_tokens` (`drop_overlong_prompts`):
     (the examples kept, the row indices dropped; a warning names the first ones)."""
     examples = load_examples(settings)
-    tokens = [len(encode_prompt(tokenizer, e.prompt, chat_template=settings.chat_template)) for e in examples]
-    source = settings.path or settings.hub_id or f"builtin:{settings.builtin}"
+    tokens = [len(encode_data_prompt(tokenizer, e.prompt, settings)) for e in examples]
+    source = source_name(settings)
     kept, dropped = drop_overlong_prompts(
         examples, tokens, max_prompt_tokens=max_prompt_tokens, source=source
     )
