@@ -47,6 +47,12 @@ class InvalidCase:
 
 
 DELETE = _DELETE
+# A judge model as a test writes one (a tiny model built from an inline config).
+_JUDGE_MODEL = {
+    "name": "tiny-judge",
+    "source": {"tiny": {}},
+    "config": {"inline": {"model_type": "qwen2", "vocab_size": 128}},
+}
 
 INVALID_CASES: list[InvalidCase] = [
     # wrong types
@@ -300,6 +306,97 @@ INVALID_CASES: list[InvalidCase] = [
         {"spec.trainerPool.tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]},
         "spec.trainerPool.tolerations[0].tolerationSeconds",
         "allowed only with effect NoExecute",
+    ),
+    # agents: spec.rollout.agent, spec.environments, spec.reward.judge (docs/agents.md)
+    InvalidCase(
+        "cel-agent-tool-names-unique",
+        {"spec.rollout": {"agent": {"tools": [{"name": "calc", "kind": "calculator"}] * 2}}},
+        "spec.rollout.agent.tools",
+        "name must be unique",
+    ),
+    InvalidCase(
+        "cel-agent-http-tool-needs-url",
+        {"spec.rollout": {"agent": {"tools": [{"name": "search", "kind": "http"}]}}},
+        "spec.rollout.agent.tools[0].url",
+        "url is required for kind http",
+    ),
+    InvalidCase(
+        "cel-agent-parameters-only-http",
+        {"spec.rollout": {"agent": {"tools": [{"name": "calc", "kind": "calculator", "parameters": {}}]}}},
+        "spec.rollout.agent.tools[0].parameters",
+        "parameters is for kind http",
+    ),
+    InvalidCase(
+        "cel-agent-total-tokens-within-completion",
+        {"spec.rollout": {"agent": {"maxTotalTokens": 100000}}},
+        "spec.rollout.agent.maxTotalTokens",
+        "at most spec.lengths.maxCompletionTokens",
+    ),
+    InvalidCase(
+        "cel-agent-environment-named",
+        {"spec.rollout": {"agent": {"environment": "arith"}}, "spec.environments": [{"name": "other"}]},
+        "spec.rollout.agent.environment",
+        "must name an entry of spec.environments",
+    ),
+    InvalidCase(
+        "range-environment-port-privileged",
+        {"spec.environments": [{"name": "arith", "port": 80}]},
+        "spec.environments[0].port",
+    ),
+    InvalidCase(
+        "pattern-environment-name",
+        {"spec.environments": [{"name": "Arith_1"}]},
+        "spec.environments[0].name",
+    ),
+    InvalidCase(
+        "cel-environment-env-exactly-one",
+        {"spec.environments": [{"name": "arith", "env": [{"name": "K"}]}]},
+        "spec.environments[0].env[0]",
+        "exactly one of value or secretKeyRef",
+    ),
+    InvalidCase(
+        "cel-environment-own-image-needs-command",
+        {"spec.environments": [{"name": "arith", "image": "example.com/env:1"}]},
+        "spec.environments[0].command",
+        "command is required with an image of your own",
+    ),
+    InvalidCase(
+        "cel-judge-llm-needs-template",
+        {"spec.reward.judge": {"model": _JUDGE_MODEL}},
+        "spec.reward.judge.promptTemplate",
+        "promptTemplate is required for kind llm",
+    ),
+    InvalidCase(
+        "cel-judge-template-has-response",
+        {"spec.reward.judge": {"model": _JUDGE_MODEL, "promptTemplate": "Rate {prompt} from 0 to 10."}},
+        "spec.reward.judge.promptTemplate",
+        "must contain {response}",
+    ),
+    InvalidCase(
+        "cel-judge-reward-model-no-template",
+        {
+            "spec.reward.judge": {
+                "kind": "rewardModel",
+                "model": _JUDGE_MODEL,
+                "promptTemplate": "Rate {response}.",
+            }
+        },
+        "spec.reward.judge.promptTemplate",
+        "promptTemplate is for kind llm",
+    ),
+    InvalidCase(
+        "cel-judge-tensor-parallel-divides-node",
+        {
+            "spec.reward.judge": {
+                "model": _JUDGE_MODEL,
+                "promptTemplate": "Rate {response}.",
+                "tensorParallel": 3,
+            },
+            "spec.resources.acceleratorsPerNode": 2,
+            "spec.resources.totalAccelerators": 2,
+        },
+        "spec.reward.judge.tensorParallel",
+        "must divide spec.resources.acceleratorsPerNode",
     ),
     InvalidCase(
         "cel-metadata-name-length",

@@ -27,9 +27,20 @@ MANAGED_BY = "rljob-operator"
 ANNOTATION_ATTEMPT = "rljob.io/attempt"
 # Hash of the desired pod (spec + plan); a pod whose hash differs is out of date and replaced.
 ANNOTATION_TEMPLATE_HASH = "rljob.io/template-hash"
+# The spec.environments[] entry an environment pod serves (its Service selects it).
+LABEL_ENVIRONMENT = "rljob.io/environment"
+# The port an environment server listens on, set by the operator on its container
+# (docs/contracts.md §4); the server reads it, and `$(RLJOB_ENV_PORT)` in args expands to it.
+ENV_ENVIRONMENT_PORT = "RLJOB_ENV_PORT"
+# The port of every environment's Service; it forwards to the container's port named `http`, so the
+# Service never changes when spec.environments[].port does.
+ENVIRONMENT_SERVICE_PORT = 80
+ENVIRONMENT_PORT_NAME = "http"
 
 ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
+ROLE_JUDGE = "judge"  # rljob_trainer.config.ROLE_JUDGE: Ray workers hosting the judge's engines
+ROLE_ENVIRONMENT = "environment"  # spec.environments[]: servers the episodes reset and step
 ROLE_CONFIG = "config"
 ROLE_TELEMETRY = "telemetry"
 ROLE_RAY_AUTH = "ray-auth"
@@ -139,13 +150,66 @@ def rollout_pod_name(job: str, index: int) -> str:
     return f"{job}-rollout-{index}"
 
 
+def judge_pod_name(job: str, index: int) -> str:
+    """`<job>-judge-<k>`: the pod hosting judge engine k (spec.reward.judge)."""
+    return f"{job}-judge-{index}"
+
+
 def pod_name(job: str, role: str, index: int) -> str:
-    """The pod name for `role` (trainer or rollout) and `index`."""
+    """The pod name for `role` (trainer, rollout or judge) and `index`."""
     if role == ROLE_TRAINER:
         return trainer_pod_name(job, index)
     if role == ROLE_ROLLOUT:
         return rollout_pod_name(job, index)
-    raise ValueError(f"pod role must be {ROLE_TRAINER!r} or {ROLE_ROLLOUT!r}, got {role!r}")
+    if role == ROLE_JUDGE:
+        return judge_pod_name(job, index)
+    raise ValueError(f"pod role must be {ROLE_TRAINER!r}, {ROLE_ROLLOUT!r} or {ROLE_JUDGE!r}, got {role!r}")
+
+
+# ---- environments (spec.environments[]) ------------------------------------------------------------
+def environment_service_name(job: str, environment: str) -> str:
+    """`<job>-env-<name>`: the Service in front of environment `name`'s pods (an RFC 1035 label)."""
+    return f"{job}-env-{environment}"
+
+
+def environment_pod_name(job: str, environment: str, index: int) -> str:
+    """`<job>-env-<name>-<i>`: replica i of environment `name`."""
+    return f"{environment_service_name(job, environment)}-{index}"
+
+
+def environment_network_policy_name(job: str) -> str:
+    """`<job>-env`: the NetworkPolicy fencing the job's environment pods (docs/security.md)."""
+    return f"{job}-env"
+
+
+def environment_url(job: str, namespace: str, environment: str) -> str:
+    """The URL the trainer reaches environment `name` at: its Service, `http://<job>-env-<name>.<ns>.svc:80`."""
+    return f"http://{environment_service_name(job, environment)}.{namespace}.svc:{ENVIRONMENT_SERVICE_PORT}"
+
+
+def environment_pod_labels(job: str, environment: str, index: int) -> dict[str, str]:
+    """Labels on environment pods: the pod labels plus the environment's name (its Service selects it)."""
+    return {**pod_labels(job, ROLE_ENVIRONMENT, index), LABEL_ENVIRONMENT: environment}
+
+
+def environment_selector(job: str, environment: str) -> dict[str, str]:
+    """What environment `name`'s Service selects: the job, the role and the environment."""
+    return {LABEL_JOB: job, LABEL_ROLE: ROLE_ENVIRONMENT, LABEL_ENVIRONMENT: environment}
+
+
+def validate_environment_name(job: str, environment: str) -> str | None:
+    """Why `<job>-env-<environment>` cannot name a Service (an RFC 1035 label of at most 63 characters),
+    or None when it can."""
+    service = environment_service_name(job, environment)
+    if len(service) > 63:
+        most = 63 - len(environment_service_name(job, ""))
+        return (
+            f"its Service {service!r} would be {len(service)} characters, at most 63 are allowed: shorten "
+            f"the environment's name to at most {most} characters, or the job's name"
+        )
+    if not _RFC1035.match(service):
+        return f"its Service {service!r} must be an RFC 1035 label (lowercase letters, digits and '-')"
+    return None
 
 
 def service_name(job: str) -> str:
@@ -217,7 +281,7 @@ def pod_labels(job: str, role: str, index: int) -> dict[str, str]:
 
 def parse_pod_name(job: str, name: str) -> tuple[str, int] | None:
     """Inverse of `pod_name`: `(role, index)` for a pod of `job`, or None when `name` is not one."""
-    for role in (ROLE_TRAINER, ROLE_ROLLOUT):
+    for role in (ROLE_TRAINER, ROLE_ROLLOUT, ROLE_JUDGE):
         prefix = f"{job}-{role}-"
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
             return role, int(name[len(prefix) :])

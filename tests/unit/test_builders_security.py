@@ -30,9 +30,22 @@ def job_objects(spec: Any, **kwargs: Any) -> builders.JobObjects:
 
 
 def matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    """A LabelSelector of matchLabels only (all the fence uses), as the apiserver evaluates it."""
-    assert set(selector) <= {"matchLabels"}, selector
-    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+    """A LabelSelector (matchLabels and matchExpressions: In, NotIn, Exists, DoesNotExist), as the
+    apiserver evaluates it: every requirement holds; NotIn holds for a pod without the key."""
+    assert set(selector) <= {"matchLabels", "matchExpressions"}, selector
+    if not all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for req in selector.get("matchExpressions") or []:
+        key, op, values = req["key"], req["operator"], req.get("values") or []
+        held = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not held:
+            return False
+    return True
 
 
 def admits(

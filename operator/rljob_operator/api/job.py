@@ -9,8 +9,10 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    model_validator,
 )
 
+from rljob_operator.api.agents import MAX_ENVIRONMENTS, EnvironmentSpec, RolloutLoopSpec
 from rljob_operator.api.base import (
     API_VERSION,
     DEFAULT_TRAINER_IMAGE,
@@ -341,6 +343,43 @@ class RLJobSpec(_Spec):
             field_path=".model.config.inline.head_dim",
             check=_inline_head_dim_runs_on_vllm_cpu,
         ),
+        CelRule(
+            rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
+            "self.environments.exists(e, e.name == self.rollout.agent.environment)",
+            message="spec.rollout.agent.environment must name an entry of spec.environments (add the "
+            "environment there, or fix the name)",
+            field_path=".rollout.agent.environment",
+            check=lambda s: (
+                s.rollout.agent is None
+                or s.rollout.agent.environment is None
+                or any(e.name == s.rollout.agent.environment for e in s.environments)
+            ),
+        ),
+        CelRule(
+            rule="!has(self.rollout.agent) || !has(self.rollout.agent.maxTotalTokens) || "
+            "self.rollout.agent.maxTotalTokens <= self.lengths.maxCompletionTokens",
+            message="spec.rollout.agent.maxTotalTokens must be at most spec.lengths.maxCompletionTokens: an "
+            "episode's turns and tool results share the engines' response budget; raise "
+            "maxCompletionTokens or lower maxTotalTokens",
+            field_path=".rollout.agent.maxTotalTokens",
+            check=lambda s: (
+                s.rollout.agent is None
+                or s.rollout.agent.max_total_tokens is None
+                or s.rollout.agent.max_total_tokens <= s.lengths.max_completion_tokens
+            ),
+        ),
+        CelRule(
+            rule="!has(self.reward.judge) || !has(self.reward.judge.tensorParallel) || "
+            "self.resources.acceleratorsPerNode % self.reward.judge.tensorParallel == 0",
+            message="spec.reward.judge.tensorParallel must divide spec.resources.acceleratorsPerNode (a "
+            "judge engine stays on one node)",
+            field_path=".reward.judge.tensorParallel",
+            check=lambda s: (
+                s.reward.judge is None
+                or s.reward.judge.tensor_parallel is None
+                or s.resources.accelerators_per_node % s.reward.judge.tensor_parallel == 0
+            ),
+        ),
     )
 
     model: ModelSpec = Field(description="The policy model: weights, config, dtype and fine-tuning mode.")
@@ -349,7 +388,22 @@ class RLJobSpec(_Spec):
         default_factory=LengthsSpec, description="Prompt, completion and context token limits."
     )
     data: DataSpec = Field(description="Prompts and reference answers.")
-    reward: RewardSpec = Field(default_factory=RewardSpec, description="Reward functions and weights.")
+    reward: RewardSpec = Field(
+        default_factory=RewardSpec, description="Reward functions and weights, and a served judge."
+    )
+    rollout: RolloutLoopSpec = Field(
+        default_factory=RolloutLoopSpec,
+        description="How episodes roll out: agent (multi-turn, tool-using episodes). The engines are "
+        "spec.resources.rollout.",
+    )
+    environments: list[EnvironmentSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ENVIRONMENTS,
+        description="Environment servers the operator runs with the job (pods behind a Service each, "
+        "inside the job's NetworkPolicy): spec.rollout.agent.environment names the one episodes use. At "
+        f"most {MAX_ENVIRONMENTS}, with unique names (a Kueue Workload holds 8 podSets).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Micro-batching and DP balance.")
     resources: ResourcesSpec = Field(description="Accelerators and the trainer/rollout split.")
     trainer_pool: NodePoolSpec = Field(
@@ -396,6 +450,17 @@ class RLJobSpec(_Spec):
         le=31_536_000,
         description="Delete the job this many seconds after it succeeds or fails. Default: keep it.",
     )
+
+    @model_validator(mode="after")
+    def _unique_environments(self) -> RLJobSpec:
+        # The apiserver refuses duplicates itself (x-kubernetes-list-type: map, key name).
+        names = [e.name for e in self.environments]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"spec.environments[].name must be unique: {', '.join(duplicates)} appears more than once"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------

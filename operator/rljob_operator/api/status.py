@@ -77,6 +77,35 @@ class PlanRefit(_Status):
     message: str | None = Field(None, max_length=1024, description="The comparison in one sentence.")
 
 
+class JudgePlanStatus(_Status):
+    """The judge's engines as the estimator sized them (spec.reward.judge), on the job's accelerator."""
+
+    engines: int | None = Field(None, ge=0, description="Judge engines (pods <job>-judge-<k>).")
+    tensor_parallel: int | None = Field(None, ge=1, description="Accelerators per judge engine.")
+    accelerators: int | None = Field(
+        None,
+        ge=0,
+        description="Accelerators of all judge engines, on top of spec.resources.totalAccelerators.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=0, description="The longest judge request: template + prompt + response + maxTokens."
+    )
+    kv_cache_bytes: int | None = Field(
+        None, ge=0, description="KV-cache bytes on one accelerator of an engine."
+    )
+    cpu_kv_cache_bytes: int | None = Field(
+        None, ge=0, description="KV-cache bytes per rank a vLLM judge engine is given where it runs on CPU."
+    )
+    kv_cache_tokens: int | None = Field(None, ge=0, description="Tokens the KV cache of one engine holds.")
+    max_num_seqs: int | None = Field(None, ge=0, description="vLLM max_num_seqs per judge engine.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=0, description="vLLM max_num_batched_tokens per judge engine."
+    )
+    reasons: list[str] = Field(
+        default_factory=list, max_length=32, description="Why the estimator chose these numbers."
+    )
+
+
 class PlanStatus(_Status):
     """The trainer/rollout plan the estimator (or the static split) chose."""
 
@@ -121,6 +150,7 @@ class PlanStatus(_Status):
         description="The plan refitted from the job's SyncReports: measured rates beside the planned ones, "
         "and the plan the estimator makes with them.",
     )
+    judge: JudgePlanStatus | None = Field(None, description="The judge's engines (spec.reward.judge).")
 
 
 class DrainingPod(_Status):
@@ -197,6 +227,19 @@ class RolloutStatus(_Status):
         return self
 
 
+class EnvironmentStatus(_Status):
+    """One environment server of the job (spec.environments[]): its pods' readiness and its URL."""
+
+    name: str = Field(description="The spec.environments[] entry.")
+    replicas: int = Field(0, ge=0, description="Pods it should have.")
+    ready_replicas: int = Field(0, ge=0, description="Pods whose readiness probe passes (the Service's).")
+    ready: str | None = Field(None, description="Ready pods / pods, for example 2/2.")
+    url: str | None = Field(None, description="Where the trainer reaches it: its Service.")
+    message: str | None = Field(
+        None, max_length=1024, description="Why a pod is not ready, naming it (absent when all are)."
+    )
+
+
 class QueueStatus(_Status):
     """Where Kueue has the job's Workload (jobs labelled kueue.x-k8s.io/queue-name)."""
 
@@ -267,6 +310,9 @@ class RLJobStatus(_Status):
     plan: PlanStatus | None = Field(None, description="The accelerator and engine plan in force.")
     rollout: RolloutStatus | None = Field(None, description="Rollout engines and the last adaptive decision.")
     progress: ProgressStatus | None = Field(None, description="Training progress.")
+    environments: list[EnvironmentStatus] | None = Field(
+        None, max_length=16, description="Environment servers (spec.environments): ready pods and URLs."
+    )
     queue: QueueStatus | None = Field(
         None, description="Kueue admission (only for jobs labelled kueue.x-k8s.io/queue-name)."
     )

@@ -36,7 +36,8 @@ class JobLayout:
 
     `trainer_accelerators[i]` is what trainer pod i requests (one pod per node, at most
     `acceleratorsPerNode` each); every dedicated rollout pod requests `rollout_accelerators_per_pod`
-    (one engine of `tensorParallel` accelerators per pod, docs/contracts.md §3).
+    (one engine of `tensorParallel` accelerators per pod, docs/contracts.md §3); every judge pod
+    `judge_accelerators_per_pod` (one judge engine, status.plan.judge), on top of the job's total.
     """
 
     trainer_accelerators: tuple[int, ...]
@@ -44,6 +45,8 @@ class JobLayout:
     rollout_accelerators_per_pod: int
     shared_engines: int
     total_accelerators: int
+    judge_pods: int = 0  # one per judge engine (spec.reward.judge), outside total_accelerators
+    judge_accelerators_per_pod: int = 0
 
     @property
     def trainer_pods(self) -> int:
@@ -78,12 +81,16 @@ def compute_layout(
     )
     if dedicated_engines is not None:
         engines = dedicated_engines
+    judge = plan.judge
+    judge_tp = (judge.tensor_parallel or 1) if judge is not None else 0
     return JobLayout(
         trainer_accelerators=trainer,
         rollout_pods=max(0, engines),
         rollout_accelerators_per_pod=tp,
         shared_engines=plan.shared_engines or 0,
         total_accelerators=spec.resources.total_accelerators,
+        judge_pods=(judge.engines or 0) if judge is not None else 0,
+        judge_accelerators_per_pod=judge_tp,
     )
 
 

@@ -13,17 +13,19 @@ from typing import Any
 
 import pydantic
 
-from rljob_operator import api, errors, names
+from rljob_operator import api, errors, names, quantity
 from rljob_operator.builders.common import JobRef, compute_layout
 from rljob_trainer import config as tc
 from rljob_trainer.outputs import telemetry
 
 # Mount points inside the pods of the volumes the trainer config refers to.
 MODEL_MOUNT_DIR = "/models"
+JUDGE_MODEL_MOUNT_DIR = "/judge-model"  # spec.reward.judge.model.source.pvc, in trainer and judge pods
 DATA_MOUNT_DIR = "/data"
 DATA_CONFIGMAP_MOUNT_DIR = "/etc/rljob-data"
 REWARD_MOUNT_DIR = "/etc/rljob-rewards"  # reward module i's volume at <dir>/<i>
 HF_TOKEN_ENV = "HF_TOKEN"
+JUDGE_HF_TOKEN_ENV = "JUDGE_HF_TOKEN"  # spec.reward.judge.model.source.hub.tokenSecretRef
 HF_DATA_TOKEN_ENV = "HF_DATASETS_TOKEN"
 HF_ENDPOINT_ENV = "HF_ENDPOINT"
 # Ray CPUs each actor of an accelerator job reserves: the accelerators carry the placement (a GPU pod
@@ -83,8 +85,21 @@ def _data_settings_of(d: api.DataSpec) -> dict[str, Any]:
         "prompt_field": d.prompt_field,
         "answer_field": d.answer_field,
         "chat_template": d.chat_template,
+        "system_prompt": d.system_prompt,
     }
-    if src.builtin is not None:
+    if src.reasoning_gym is not None:
+        rg = src.reasoning_gym  # generated in the trainer pod: nothing to mount or download
+        out.update(
+            builtin=None,
+            reasoning_gym={
+                "task": rg.task,
+                "config": dict(rg.config),
+                "size": rg.size,
+                "seed": rg.seed,
+                "answer_format": rg.answer_format,
+            },
+        )
+    elif src.builtin is not None:
         out["builtin"] = src.builtin.name
     elif src.pvc is not None:
         out.update(builtin=None, path=f"{DATA_MOUNT_DIR}/{src.pvc.path.lstrip('/')}")
@@ -239,6 +254,99 @@ def _evaluation_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
     }
 
 
+def _agent_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
+    """spec.rollout.agent as the trainer's `agent`: tools and turns as written."""
+    agent = spec.rollout.agent
+    if agent is None:
+        return None
+    tools = [
+        {
+            "name": t.name,
+            "kind": t.kind,
+            "description": t.description,
+            "url": t.url,
+            "parameters": dict(t.parameters) if t.parameters is not None else None,
+            "timeout_s": t.timeout_seconds,
+            "cpu_seconds": t.cpu_seconds,
+            "memory_bytes": quantity.to_bytes(t.memory),
+            "max_result_chars": t.max_result_chars,
+        }
+        for t in agent.tools
+    ]
+    return {
+        "max_turns": agent.max_turns,
+        "max_total_tokens": agent.max_total_tokens,
+        "tools": tools,
+        "environment": agent.environment,
+    }
+
+
+def _environment_settings(job: JobRef | None, spec: api.RLJobSpec) -> list[dict[str, Any]]:
+    """Each spec.environments[] entry as the trainer reaches it: its Service's URL (offline, without a
+    job, the URL a job named `<job>` in namespace `<namespace>` would get)."""
+    name, namespace = (job.name, job.namespace) if job is not None else ("<job>", "<namespace>")
+    return [
+        {
+            "name": e.name,
+            "url": names.environment_url(name, namespace, e.name),
+            "timeout_s": e.timeout_seconds,
+        }
+        for e in spec.environments
+    ]
+
+
+def _judge_settings(
+    spec: api.RLJobSpec, plan: api.PlanStatus, judge_config: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """spec.reward.judge with the estimator's engine plan (status.plan.judge)."""
+    judge = spec.reward.judge
+    if judge is None:
+        return None
+    sized = plan.judge
+    if sized is None:
+        raise errors.InvalidSpecError(
+            "spec.reward.judge",
+            "the plan has no judge engines (an operator error: the judge was not planned)",
+        )
+    m = judge.model
+    model: dict[str, Any] = {"name": m.name, "dtype": m.dtype, "finetune": "full"}
+    if m.source.pvc is not None:
+        model.update(source="pvc", path=f"{JUDGE_MODEL_MOUNT_DIR}/{m.source.pvc.path.lstrip('/')}")
+    elif m.source.hub is not None:
+        model.update(
+            source="hub",
+            hub_id=m.source.hub.id,
+            hub_token_env=JUDGE_HF_TOKEN_ENV if m.source.hub.token_secret_ref else None,
+            hub_revision=m.source.hub.revision,
+        )
+    else:
+        if not judge_config:
+            raise errors.InvalidSpecError(
+                "spec.reward.judge.model.config", "a tiny judge is built from its config.json: set it"
+            )
+        tokenizer = m.source.tiny.tokenizer if m.source.tiny is not None else "builtin-char"
+        model.update(source="tiny", tokenizer=tokenizer)
+    if judge_config:
+        model["hf_config"] = dict(judge_config)
+    return {
+        "kind": judge.kind,
+        "model": model,
+        "prompt_template": judge.prompt_template,
+        "max_score": judge.max_score,
+        "max_tokens": judge.max_tokens,
+        "weight": judge.weight,
+        "engines": sized.engines or judge.engines,
+        "tensor_parallel": sized.tensor_parallel or 1,
+        "gpu_memory_utilization": judge.gpu_memory_utilization,
+        "max_model_len": sized.max_model_len,
+        "max_num_seqs": sized.max_num_seqs or 1,
+        "max_num_batched_tokens": max(sized.max_num_batched_tokens or 1, sized.max_num_seqs or 1),
+        "cpu_kv_cache_bytes": sized.cpu_kv_cache_bytes or None,
+        "batch_size": judge.batch_size,
+        "timeout_s": judge.timeout_seconds,
+    }
+
+
 # Env vars the trainer pods get from the tracking Secrets (spec.tracking.*SecretRef).
 WANDB_API_KEY_ENV = "WANDB_API_KEY"
 MLFLOW_TOKEN_ENV = "MLFLOW_TRACKING_TOKEN"
@@ -263,9 +371,15 @@ def _tracking_settings(spec: api.RLJobSpec) -> dict[str, Any]:
 
 
 def render_trainer_config(
-    spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None = None
+    spec: api.RLJobSpec,
+    plan: api.PlanStatus,
+    model_config: dict[str, Any] | None = None,
+    *,
+    job: JobRef | None = None,
+    judge_config: dict[str, Any] | None = None,
 ) -> tc.TrainerConfig:
-    """The trainer's configuration for `spec` under `plan` (`model_config`: the config.json used to plan).
+    """The trainer's configuration for `spec` under `plan` (`model_config`: the config.json used to plan;
+    `job`: whose Services the environments' URLs name; `judge_config`: the judge model's config.json).
 
     Raises `errors.InvalidSpecError` for a spec this trainer image cannot run.
     """
@@ -329,6 +443,9 @@ def render_trainer_config(
         },
         "tracking": _tracking_settings(spec),
         "evaluation": _evaluation_settings(spec),
+        "agent": _agent_settings(spec),
+        "environments": _environment_settings(job, spec),
+        "judge": _judge_settings(spec, plan, judge_config),
         "telemetry": {"enabled": True},
         "distributed": {
             "num_trainer_ranks": plan.trainer_accelerators or 1,
@@ -350,10 +467,15 @@ def render_trainer_config(
 
 
 def build_config_map(
-    job: JobRef, spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None = None
+    job: JobRef,
+    spec: api.RLJobSpec,
+    plan: api.PlanStatus,
+    model_config: dict[str, Any] | None = None,
+    *,
+    judge_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`<job>-config` with key `trainer.json` (camelCase JSON, exactly `rljob_trainer.config.dump_config`)."""
-    cfg = render_trainer_config(spec, plan, model_config)
+    cfg = render_trainer_config(spec, plan, model_config, job=job, judge_config=judge_config)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -1,7 +1,8 @@
 """The job's NetworkPolicy: its pods take connections only from each other (and Prometheus).
 
-Role: pure builder and its settings. Every pod of a job (trainer and rollout, labelled
-`names.job_pod_selector`) is selected; ingress is allowed from pods of the same job on any port
+Role: pure builder and its settings. Every pod of a job (trainer, rollout and judge, labelled
+`names.job_pod_selector`; not its environment servers, which `environments` fences apart) is
+selected; ingress is allowed from those pods of the same job on any port
 (Ray's GCS, raylets, object managers and workers use many, some random) and, when the chart names
 a monitoring namespace, from that namespace to the driver's `metrics` port. Egress is open (hub
 downloads, trackers, the apiserver for telemetry) unless the chart gives a list of egress rules:
@@ -79,7 +80,17 @@ def build_network_policy(job: JobRef, settings: Settings) -> dict[str, Any]:
     def pods() -> dict[str, Any]:  # a fresh dict each time: no shared objects (YAML aliases) in output
         return {"matchLabels": names.job_pod_selector(job.name)}
 
-    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": pods()}]}]
+    def ranks() -> dict[str, Any]:
+        # Every pod of the job but its environment servers: those run untrusted code, so they are
+        # fenced apart (`environments.build_environment_network_policy`): no connection from them.
+        return {
+            "matchLabels": names.job_pod_selector(job.name),
+            "matchExpressions": [
+                {"key": names.LABEL_ROLE, "operator": "NotIn", "values": [names.ROLE_ENVIRONMENT]}
+            ],
+        }
+
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": ranks()}]}]
     if settings.metrics_namespace:
         ingress.append(
             {
@@ -89,13 +100,15 @@ def build_network_policy(job: JobRef, settings: Settings) -> dict[str, Any]:
                 "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}],
             }
         )
-    spec: dict[str, Any] = {"podSelector": pods(), "policyTypes": ["Ingress"], "ingress": ingress}
+    spec: dict[str, Any] = {"podSelector": ranks(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         dns = {
             "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(DNS_SELECTOR)}}],
             "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
         }
         spec["policyTypes"] = ["Ingress", "Egress"]
+        # To every pod of the job, its environment servers included (their own policy admits only
+        # the trainer and rollout pods, on their http port).
         spec["egress"] = [{"to": [{"podSelector": pods()}]}, dns, *deep_copy(list(settings.egress))]
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -58,12 +58,15 @@ class Gang:
 
 def job_gang(job: JobRef, spec: api.RLJobSpec, plan: api.PlanStatus, layout: JobLayout) -> Gang:
     """The job's core as one gang: every trainer pod plus the plan's dedicated rollout pods (the
-    minimum; fewer when the adaptive policy lowered the target below it). Rollout pods the policy
-    adds beyond the plan schedule on their own: the job runs without them."""
+    minimum; fewer when the adaptive policy lowered the target below it) and the judge's pods.
+    Rollout pods the policy adds beyond the plan schedule on their own: the job runs without them."""
     core = compute_layout(spec, plan)
     rollouts = min(core.rollout_pods, layout.rollout_pods)
     members = [names.trainer_pod_name(job.name, i) for i in range(layout.trainer_pods)]
     members += [names.rollout_pod_name(job.name, j) for j in range(rollouts)]
+    # The judge's engines hold accelerators the job cannot step without: in the gang. Environment
+    # servers (CPU, restarted by their kubelet, recreated alone) schedule on their own.
+    members += [names.judge_pod_name(job.name, k) for k in range(layout.judge_pods)]
     return Gang(names.pod_group_name(job.name), len(members), frozenset(members))
 
 

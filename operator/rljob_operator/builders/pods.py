@@ -1,4 +1,5 @@
-"""Trainer and rollout pods: `<job>-trainer-<i>` (pod 0: Ray head + GRPO driver) and `<job>-rollout-<j>`.
+"""The job's Ray pods: `<job>-trainer-<i>` (pod 0: Ray head + GRPO driver), `<job>-rollout-<j>` and
+`<job>-judge-<k>` (spec.reward.judge's engines; Ray workers like rollout pods).
 
 Role: pure builders of the pod dicts the handlers create. Everything a pod needs comes in as
 arguments: the job, the spec, the layout (counts and accelerator requests), the run attempt (the
@@ -28,6 +29,7 @@ RUN_AS_USER = 1000
 CONFIG_VOLUME = "config"
 CHECKPOINT_VOLUME = "checkpoints"
 MODEL_VOLUME = "model"
+JUDGE_MODEL_VOLUME = "judge-model"
 DATA_VOLUME = "data"
 REWARD_VOLUME_PREFIX = "reward-"
 TMP_VOLUME = "tmp"
@@ -39,11 +41,11 @@ TRAINER_METRICS_PORT = int(tc.TelemetrySettings().prometheus_port or 9400)
 
 def _env(job: JobRef, spec: api.RLJobSpec, role: str, index: int, layout: JobLayout) -> list[dict[str, Any]]:
     # What `ray start` advertises: exactly this container's accelerators, under Ray's name for them.
-    slots = (
-        layout.trainer_accelerators[index]
-        if role == names.ROLE_TRAINER
-        else layout.rollout_accelerators_per_pod
-    )
+    slots = {
+        names.ROLE_TRAINER: layout.trainer_accelerators[index] if role == names.ROLE_TRAINER else 0,
+        names.ROLE_ROLLOUT: layout.rollout_accelerators_per_pod,
+        names.ROLE_JUDGE: layout.judge_accelerators_per_pod,
+    }[role]
     ray_accelerator = tc.RAY_ACCELERATORS[spec.resources.accelerator.kind] or ""
     return [
         {"name": tc.ENV_CONFIG_PATH, "value": f"{names.CONFIG_MOUNT_DIR}/{tc.CONFIGMAP_KEY}"},
@@ -109,8 +111,21 @@ def _volumes(
             empty = {"sizeLimit": str(size) if size is not None else limits.checkpoints}
             volumes.append({"name": CHECKPOINT_VOLUME, "emptyDir": empty})
         mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
+    judge = spec.reward.judge
+    judge_pvc = judge.model.source.pvc if judge is not None else None
+    if judge_pvc is not None and role in (names.ROLE_TRAINER, names.ROLE_JUDGE):
+        # The judge's engines load it (judge pods); the driver may read its tokenizer (trainer pods).
+        volumes.append(
+            {
+                "name": JUDGE_MODEL_VOLUME,
+                "persistentVolumeClaim": {"claimName": judge_pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append(
+            {"name": JUDGE_MODEL_VOLUME, "mountPath": configmaps.JUDGE_MODEL_MOUNT_DIR, "readOnly": True}
+        )
     model_pvc = spec.model.source.pvc
-    if model_pvc is not None:
+    if model_pvc is not None and role != names.ROLE_JUDGE:
         volumes.append(
             {
                 "name": MODEL_VOLUME,
@@ -152,6 +167,7 @@ def _volumes(
 
 
 def _pool(spec: api.RLJobSpec, role: str) -> api.NodePoolSpec:
+    """Judge pods hold engines, as rollout pods do: they schedule like them."""
     return spec.trainer_pool if role == names.ROLE_TRAINER else spec.rollout_pool
 
 
@@ -183,7 +199,13 @@ def _build_pod(
                 }
             )
     hub = spec.model.source.hub
-    secrets = [(configmaps.HF_TOKEN_ENV, hub.token_secret_ref if hub is not None else None)]
+    secrets = []
+    if role != names.ROLE_JUDGE:
+        secrets.append((configmaps.HF_TOKEN_ENV, hub.token_secret_ref if hub is not None else None))
+    judge = spec.reward.judge
+    judge_hub = judge.model.source.hub if judge is not None else None
+    if judge_hub is not None and role in (names.ROLE_TRAINER, names.ROLE_JUDGE):
+        secrets.append((configmaps.JUDGE_HF_TOKEN_ENV, judge_hub.token_secret_ref))
     if role == names.ROLE_TRAINER:  # trackers run in the driver on trainer pod 0
         w, m = spec.tracking.wandb, spec.tracking.mlflow
         secrets.append((configmaps.WANDB_API_KEY_ENV, w.api_key_secret_ref if w is not None else None))
@@ -317,6 +339,34 @@ def build_rollout_pod(
     )
 
 
+def build_judge_pod(
+    job: JobRef,
+    spec: api.RLJobSpec,
+    layout: JobLayout,
+    index: int,
+    *,
+    attempt: int = 0,
+    config_hash: str = "",
+    judge_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Judge pod `index`: a Ray worker hosting judge engine `index` (`layout.judge_accelerators_per_pod`
+    accelerators), advertising `rljob_judge_<index>` (docs/contracts.md §2); `judge_config` (the judge
+    model's config.json) sizes its scratch volumes."""
+    if not 0 <= index < layout.judge_pods:
+        raise ValueError(f"judge pod index {index} is outside 0..{layout.judge_pods - 1}")
+    return _build_pod(
+        job,
+        spec,
+        layout,
+        names.ROLE_JUDGE,
+        index,
+        layout.judge_accelerators_per_pod,
+        attempt,
+        config_hash,
+        scratch.judge_scratch_limits(spec, judge_config),
+    )
+
+
 def build_pods(
     job: JobRef,
     spec: api.RLJobSpec,
@@ -325,9 +375,17 @@ def build_pods(
     attempt: int = 0,
     config_hash: str = "",
     model_config: dict[str, Any] | None = None,
+    judge_config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every desired pod in creation order: trainer 0..n-1 (head first), then rollout 0..m-1."""
+    """Every desired Ray pod in creation order: trainer 0..n-1 (head first), rollout 0..m-1, then
+    judge 0..k-1 (the environment servers are `environments.build_environment_pods`)."""
     common = {"attempt": attempt, "config_hash": config_hash, "model_config": model_config}
     trainers = [build_trainer_pod(job, spec, layout, i, **common) for i in range(layout.trainer_pods)]
     rollouts = [build_rollout_pod(job, spec, layout, j, **common) for j in range(layout.rollout_pods)]
-    return trainers + rollouts
+    judges = [
+        build_judge_pod(
+            job, spec, layout, k, attempt=attempt, config_hash=config_hash, judge_config=judge_config
+        )
+        for k in range(layout.judge_pods)
+    ]
+    return trainers + rollouts + judges

@@ -87,3 +87,25 @@ def scratch_limits(spec: api.RLJobSpec, model_config: Mapping[str, Any] | None) 
         shm=_gib(shm),
         checkpoints=_gib(checkpoints + 2 * GIB),
     )
+
+
+def judge_scratch_limits(spec: api.RLJobSpec, judge_config: Mapping[str, Any] | None) -> ScratchLimits:
+    """The sizeLimits of a judge pod's emptyDirs: the same rules, with the judge model's weights (it
+    holds no checkpoint; its cache holds the judge's hub download)."""
+    judge = spec.reward.judge
+    weights = 0
+    if judge is not None and judge_config:
+        try:
+            params = est.ModelGeometry.from_hf_config(dict(judge_config)).total_params
+        except errors.EstimatorError:
+            params = 0
+        weights = params * DTYPE_BYTES.get(judge.model.dtype, 2)
+    from_hub = judge is not None and judge.model.source.hub is not None
+    memory = spec.resources.memory
+    shm = quantity.to_bytes(memory) if memory is not None else 2 * weights + 2 * GIB
+    return ScratchLimits(
+        tmp=_gib(weights + 8 * GIB),
+        cache=_gib((weights if from_hub else 0) + 2 * GIB),
+        shm=_gib(shm),
+        checkpoints=_gib(2 * GIB),
+    )

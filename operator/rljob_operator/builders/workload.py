@@ -3,7 +3,8 @@
 Role: pure builder of the Workload the shell creates for an RLJob labelled
 `kueue.x-k8s.io/queue-name` (names.kueue_queue_name), before any pod exists. Kueue reserves quota
 for the whole Workload at once, so the podSets are the job's core, everything it needs to make
-progress: the trainer pods and the minimum dedicated rollout pods. Engines added in adaptive mode
+progress: the trainer pods, the minimum dedicated rollout pods, the judge's pods and each
+environment's servers (one podSet `environment-<name>` each). Engines added in adaptive mode
 beyond the minimum are not in it (each is its own lower-priority Workload, so Kueue preempts them
 before the core). Called by the shell with the pods `builders.pods` built, so the requests Kueue
 counts are exactly the ones the pods will carry.
@@ -129,15 +130,18 @@ def build_workload(
     *,
     queue_name: str,
     priority: WorkloadPriority | None = None,
+    extra: Sequence[tuple[str, Sequence[dict[str, Any]]]] = (),
 ) -> dict[str, Any]:
-    """The Workload `rljob-<job>` asking LocalQueue `queue_name` to admit the trainer pods and the
+    """The Workload `rljob-<job>` asking LocalQueue `queue_name` to admit the trainer pods, the
     minimum dedicated rollout pods (`rollout_pods`; empty when rollout shares the trainer's
-    accelerators)."""
+    accelerators) and `extra` (podSet name, pods): the judge's pods and each environment's."""
     if not trainer_pods:
         raise ValueError("a Workload needs the job's trainer pods; got none")
     spec: dict[str, Any] = {
         "queueName": queue_name,
-        "podSets": build_pod_sets([(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods)]),
+        "podSets": build_pod_sets(
+            [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods), *extra]
+        ),
     }
     if priority is not None:
         # Kueue's CEL rule: a priorityClassRef needs the priority value next to it.

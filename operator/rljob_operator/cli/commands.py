@@ -62,12 +62,34 @@ def _model_config(spec: api.RLJobSpec, override: str | None) -> dict[str, Any]:
     )
 
 
-def _print_plan(plan: est.ResourcePlan, output: str, title: str) -> None:
+def _judge_config(spec: api.RLJobSpec, override: str | None) -> dict[str, Any] | None:
+    """The judge model's config.json (spec.reward.judge.model.config; None without a judge)."""
+    source = planning.judge_config_source(spec)
+    if source is None:
+        return None
+    if override:
+        return dict(json.loads(Path(override).read_text(encoding="utf-8")))
+    if source.inline is not None:
+        return dict(source.inline)
+    if source.preset is not None:
+        return est.load_preset(source.preset)
+    raise SystemExit(
+        "spec.reward.judge.model.config.configMapRef is read by the operator from the cluster; offline, pass "
+        "the file with --judge-model-config path/to/config.json"
+    )
+
+
+def _print_plan(plan: est.ResourcePlan, output: str, title: str, judge: est.JudgePlan | None = None) -> None:
     if output == "json":
-        print(json.dumps(est.plan_to_json(plan), indent=2, sort_keys=True))
+        data = est.plan_to_json(plan)
+        if judge is not None:
+            data["judge"] = judge.model_dump(mode="json", by_alias=True)
+        print(json.dumps(data, indent=2, sort_keys=True))
     else:
         print(f"# {title}")
         print(est.format_plan_table(plan))
+        if judge is not None:
+            print(est.format_judge(judge))
 
 
 def _job_model_config(core: Any, namespace: str, spec: api.RLJobSpec, override: str | None) -> dict[str, Any]:
@@ -130,7 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             for doc in _read_rljobs(args.filename):
                 spec = _parse_spec(doc, args.filename)
                 plan = planning.plan_job(spec, _model_config(spec, args.model_config))
-                _print_plan(plan, args.output, f"RLJob {doc.get('metadata', {}).get('name', '?')}")
+                judge = planning.plan_judge(spec, _judge_config(spec, args.judge_model_config))
+                _print_plan(plan, args.output, f"RLJob {doc.get('metadata', {}).get('name', '?')}", judge)
             return 0
         if not args.model_config:
             raise SystemExit(
@@ -192,6 +215,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                 _model_config(spec, args.model_config),
                 only=args.only,
                 gang=args.gang,
+                judge_config=_judge_config(spec, args.judge_model_config),
             )
         except errors.RLJobError as exc:
             print(f"rljob render: {exc.reason}: {exc}", file=sys.stderr)
@@ -258,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-f", "--filename", help="RLJob manifest (YAML, - for stdin)")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--model-config", help="the model's config.json (overrides the manifest's)")
+    plan.add_argument(
+        "--judge-model-config", help="the judge model's config.json (needed for its configMapRef)"
+    )
     job = plan.add_argument_group(
         "--from-job: the plan of a running or finished job, refitted from its SyncReports"
     )
@@ -299,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render_cmd.add_argument("-n", "--namespace", help="namespace of the objects (default: the manifest's)")
     render_cmd.add_argument("--model-config", help="the model's config.json (needed for configMapRef)")
+    render_cmd.add_argument(
+        "--judge-model-config", help="the judge model's config.json (needed for its configMapRef)"
+    )
     render_cmd.add_argument(
         "--gang",
         action="store_true",

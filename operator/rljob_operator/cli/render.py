@@ -35,30 +35,35 @@ def render_job(
     *,
     only: Only = "all",
     gang: bool = False,
+    judge_config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The objects (plain dicts) for RLJob `namespace/name`; `only` narrows them.
 
     - all: ServiceAccount, Role, RoleBinding, the Ray token Secret (its token shown as a
-      placeholder: the operator generates one per job), the NetworkPolicy (as the chart's defaults
-      set it), headless Service, the config and telemetry ConfigMaps, and the pods of the plan's
-      layout;
+      placeholder: the operator generates one per job), the NetworkPolicies (as the chart's defaults
+      set them: the job's, and its environments'), headless Service, the environments' Services, the
+      config and telemetry ConfigMaps, and the pods of the plan's layout (trainer, rollout, judge,
+      then the environment servers);
     - trainer-config: the trainer's configuration (`rljob_trainer.config.TrainerConfig`, as the
       pods read it from `<job>-config`);
     - pods / rbac: those objects only.
     `gang`: as on a cluster that serves PodGroups: the job's PodGroup (before the pods, with
-    `all`) and the core pods' `spec.schedulingGroup`.
+    `all`) and the core pods' `spec.schedulingGroup`. `judge_config`: the judge model's config.json
+    (spec.reward.judge).
     Raises `errors.RLJobError` (estimator, builders) with the field and the fix.
     """
-    plan = planning.plan_status(planning.plan_job(spec, model_config))
+    plan = planning.plan_status(
+        planning.plan_job(spec, model_config), planning.plan_judge(spec, judge_config)
+    )
     layout = builders.compute_layout(spec, plan)
     job = builders.JobRef(name, namespace)
     if only == "trainer-config":
-        cfg = builders.render_trainer_config(spec, plan, model_config)
+        cfg = builders.render_trainer_config(spec, plan, model_config, job=job, judge_config=judge_config)
         return [cfg.model_dump(mode="json", by_alias=True)]
     objects = builders.build_job_objects(
-        job, spec, plan, layout, model_config, ray_token=ray_auth.RENDERED_TOKEN
+        job, spec, plan, layout, model_config, ray_token=ray_auth.RENDERED_TOKEN, judge_config=judge_config
     )
-    pods = list(objects.pods)
+    pods = [*objects.pods, *objects.environment_pods]
     groups: list[dict[str, Any]] = []
     if gang:
         members = podgroup.job_gang(job, spec, plan, layout)

@@ -190,10 +190,27 @@ def _class_ref(ref: Mapping[str, Any] | None) -> tuple[str, str] | None:
 
 
 # ---- desired Workloads ---------------------------------------------------------------------------
+RolePods = Sequence[tuple[str, Sequence[dict[str, Any]]]]
+
+
 def _role_pods(
-    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]], extra: RolePods = ()
 ) -> list[tuple[str, Sequence[dict[str, Any]]]]:
-    return [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods)]
+    return [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods), *extra]
+
+
+def core_extra_pods(
+    judge_pods: Sequence[dict[str, Any]], environment_pods: Sequence[dict[str, Any]]
+) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The core Workload's podSets beyond trainer and rollout: the judge's pods (`judge`), then one
+    podSet per environment (`environment-<name>`), in spec order."""
+    out: list[tuple[str, list[dict[str, Any]]]] = [(names.ROLE_JUDGE, list(judge_pods))]
+    by_env: dict[str, list[dict[str, Any]]] = {}
+    for pod in environment_pods:
+        env = pod["metadata"]["labels"][names.LABEL_ENVIRONMENT]
+        by_env.setdefault(env, []).append(pod)
+    out += [(f"{names.ROLE_ENVIRONMENT}-{env}", pods) for env, pods in by_env.items()]
+    return out
 
 
 def _with_hash(
@@ -212,13 +229,15 @@ def core_workload(
     *,
     queue_name: str,
     priority: workload_builder.WorkloadPriority | None,
+    extra: RolePods = (),
 ) -> dict[str, Any]:
-    """The job's core Workload (trainer pods + the minimum dedicated rollout pods), hash annotated."""
+    """The job's core Workload (trainer pods + the minimum dedicated rollout pods + `extra`: the judge's
+    and the environments' pods, `core_extra_pods`), hash annotated."""
     return _with_hash(
         workload_builder.build_workload(
-            job, trainer_pods, rollout_pods, queue_name=queue_name, priority=priority
+            job, trainer_pods, rollout_pods, queue_name=queue_name, priority=priority, extra=extra
         ),
-        _role_pods(trainer_pods, rollout_pods),
+        _role_pods(trainer_pods, rollout_pods, extra),
     )
 
 
@@ -240,7 +259,10 @@ def is_current(state: WorkloadState, desired: Mapping[str, Any]) -> bool:
 
 
 def pod_sets_mismatch(
-    state: WorkloadState, trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+    state: WorkloadState,
+    trainer_pods: Sequence[dict[str, Any]],
+    rollout_pods: Sequence[dict[str, Any]],
+    extra: RolePods = (),
 ) -> str:
     """Why an admitted core Workload no longer covers the job's core pods ("" when it does): the
     podSets' names, counts, requests or placement changed (the user edited the trainer size or the
@@ -249,7 +271,7 @@ def pod_sets_mismatch(
     deleted, a new one created once no pod is active); the shell does the same. A Workload without
     the annotation (made by an older operator) is taken as matching. Cheap enough for every
     reconcile (no Workload is built)."""
-    role_pods = _role_pods(trainer_pods, rollout_pods)
+    role_pods = _role_pods(trainer_pods, rollout_pods, extra)
     if not state.pod_sets_hash or state.pod_sets_hash == workload_builder.pod_sets_quota_hash(role_pods):
         return ""
 
@@ -267,12 +289,10 @@ def pod_sets_mismatch(
 
 
 def pod_set_pods(
-    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]]
+    trainer_pods: Sequence[dict[str, Any]], rollout_pods: Sequence[dict[str, Any]], extra: RolePods = ()
 ) -> dict[str, list[str]]:
     """podSet name -> the names of its pods in the core Workload (as `core_workload` groups them)."""
-    groups = workload_builder.group_pod_sets(
-        [(names.ROLE_TRAINER, trainer_pods), (names.ROLE_ROLLOUT, rollout_pods)]
-    )
+    groups = workload_builder.group_pod_sets(_role_pods(trainer_pods, rollout_pods, extra))
     return {name: [p["metadata"]["name"] for p in members] for name, members in groups}
 
 
@@ -375,7 +395,10 @@ def place_pod(pod: Mapping[str, Any], placement: Placement) -> dict[str, Any]:
     job too): FlavorConflictError naming the pool field and the flavor."""
     out = deep_copy(dict(pod))
     role = (out["metadata"].get("labels") or {}).get(names.LABEL_ROLE)
-    field = "spec.trainerPool" if role == names.ROLE_TRAINER else "spec.rolloutPool"
+    field = {
+        names.ROLE_TRAINER: "spec.trainerPool",
+        names.ROLE_ENVIRONMENT: "spec.environments[]",
+    }.get(role or "", "spec.rolloutPool")
     spec = out["spec"]
     selector = dict(spec.get("nodeSelector") or {})
     for key, value in placement.node_labels.items():

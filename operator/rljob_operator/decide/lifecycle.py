@@ -51,6 +51,9 @@ class PodObservation:
     created: float | None = None  # metadata.creationTimestamp, unix s
     owner_uid: str | None = None  # the controller ownerReference's uid (the RLJob that made it)
     uid: str | None = None  # the pod's own uid: a delete names it (preconditions), never a namesake
+    ready: bool = False  # its Ready condition (an environment server's readiness probe passed)
+    environment: str = ""  # the spec.environments[] entry an environment pod serves
+    restarts: int = 0  # container restarts by the kubelet (environment servers: restartPolicy Always)
 
 
 PodChange = Literal["none", "reworded", "changed"]
@@ -103,6 +106,12 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
+#: The roles of a job's pods: its Ray cluster (trainer, rollout, judge) and its environment servers.
+POD_ROLES = (names.ROLE_TRAINER, names.ROLE_ROLLOUT, names.ROLE_JUDGE, names.ROLE_ENVIRONMENT)
+#: Roles whose pods make one gang: a failure or loss of any restarts the attempt (the Ray cluster, the
+#: torch.distributed group and the judge's engines cannot take a replaced member).
+GANG_ROLES = (names.ROLE_TRAINER, names.ROLE_JUDGE)
+
 # Waiting reasons that are progress, not trouble.
 _BENIGN_WAITING = frozenset({"", "ContainerCreating", "PodInitializing"})
 # Pod-level `status.reason` values the kubelet sets when it evicts or preempts a pod.
@@ -123,14 +132,16 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     role = labels.get(names.LABEL_ROLE)
-    if labels.get(names.LABEL_JOB) is None or role not in (names.ROLE_TRAINER, names.ROLE_ROLLOUT):
+    if labels.get(names.LABEL_JOB) is None or role not in POD_ROLES:
         return None
     status = pod.get("status") or {}
     exit_code: int | None = None
     message = termination_message = ""
     waiting_reason = waiting_message = ""
+    restarts = 0
     for cs in status.get("containerStatuses") or []:
         state = cs.get("state") or {}
+        restarts += _int(cs.get("restartCount"), 0)
         term = state.get("terminated")
         if term and exit_code is None:
             exit_code = term.get("exitCode")
@@ -140,6 +151,12 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         if waiting.get("reason") not in _BENIGN_WAITING and not waiting_reason:
             waiting_reason = waiting.get("reason") or ""
             waiting_message = f"container {cs.get('name')}: {waiting.get('message') or waiting_reason}"
+            # A container the kubelet restarts (CrashLoopBackOff): why its last run ended.
+            last = (cs.get("lastState") or {}).get("terminated")
+            if last:
+                said = (last.get("message") or last.get("reason") or "").strip()
+                waiting_message += f"; its last run exited with code {last.get('exitCode')}"
+                waiting_message += f": {said[-512:]}" if said else ""
     unschedulable = disruption = ""
     for cond in status.get("conditions") or []:
         scheduled = cond.get("type") == "PodScheduled" and cond.get("status") == "False"
@@ -174,6 +191,11 @@ def observe_pod(pod: Mapping[str, Any]) -> PodObservation | None:
         created=_unix(meta.get("creationTimestamp")),
         owner_uid=names.controller_uid(meta),
         uid=meta.get("uid"),
+        ready=any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        ),
+        environment=labels.get(names.LABEL_ENVIRONMENT, "") if role == names.ROLE_ENVIRONMENT else "",
+        restarts=restarts,
     )
 
 
@@ -284,9 +306,12 @@ def decide_restart(
             return RestartDecision(
                 "succeeded", reason="TrainingSucceeded", cause="trainer pod 0 exited 0", **same
             )
-    # Only trainer pods decide the attempt: a rollout pod that fails, is evicted or loses its node
-    # is recreated alone (`elastic.replace_lost_rollout_pods`), its engine dropped by the driver.
-    order = sorted((p for p in current if p.role == names.ROLE_TRAINER), key=lambda p: p.index)
+    # Only trainer and judge pods decide the attempt: a rollout pod that fails, is evicted or loses its
+    # node is recreated alone (`elastic.replace_lost_rollout_pods`), its engine dropped by the driver;
+    # an environment server is restarted by its kubelet, or recreated alone (`environment_pods_to_replace`).
+    order = sorted(
+        (p for p in current if p.role in GANG_ROLES), key=lambda p: (p.role != names.ROLE_TRAINER, p.index)
+    )
     lost: list[tuple[PodObservation | None, str]] = [
         (p, why) for p in order if p.phase != "Succeeded" and (why := _lost(p, node_names))
     ]
@@ -425,6 +450,19 @@ def diff_pods(
     return PodDiff(delete=delete, create=tuple(create), waiting=tuple(waiting))
 
 
+def environment_pods_to_replace(observed: Iterable[PodObservation], attempt: int) -> list[PodObservation]:
+    """Environment pods of `attempt` that ended (a server's pod runs with restartPolicy Always, so only
+    the cluster ends one: evicted, its node lost): deleted, then recreated by the pod diff."""
+    return [
+        p
+        for p in observed
+        if p.role == names.ROLE_ENVIRONMENT
+        and p.attempt == attempt
+        and not p.deleting
+        and p.phase in ("Failed", "Succeeded")
+    ]
+
+
 def pods_to_stop(observed: Iterable[PodObservation], *, keep_finished: bool) -> tuple[str, ...]:
     """Pods to delete when the job is suspended or finished; finished pods may stay for their logs."""
     out = []
@@ -473,6 +511,10 @@ def check_capacity(spec: api.RLJobSpec, layout: JobLayout, nodes: Iterable[NodeO
     demands += [
         ("spec.rolloutPool", spec.rollout_pool, layout.rollout_accelerators_per_pod)
     ] * layout.rollout_pods
+    # Judge pods schedule like rollout pods (builders.pods), on top of the job's total.
+    demands += [
+        ("spec.rolloutPool", spec.rollout_pool, layout.judge_accelerators_per_pod)
+    ] * layout.judge_pods
     free: dict[str, int] = {}
     for node in node_list:
         free[node.name] = _int(node.allocatable.get(res_name), 0) if res_name else 1_000_000
@@ -489,7 +531,13 @@ def check_capacity(spec: api.RLJobSpec, layout: JobLayout, nodes: Iterable[NodeO
                 f"the pool ({selector}) has {len(matching)} schedulable matching nodes with "
                 f"{total} {res_name or 'accelerators'} in all; the plan needs "
                 f"{layout.trainer_pods} trainer pods ({sizes}) and "
-                f"{layout.rollout_pods} rollout pods ({layout.rollout_accelerators_per_pod} each), {what}: "
+                f"{layout.rollout_pods} rollout pods ({layout.rollout_accelerators_per_pod} each)"
+                + (
+                    f" and {layout.judge_pods} judge pods ({layout.judge_accelerators_per_pod} each)"
+                    if layout.judge_pods
+                    else ""
+                )
+                + f", {what}: "
                 "add nodes to the pool, widen its nodeSelector/tolerations, or lower "
                 "spec.resources.totalAccelerators",
             )
@@ -510,7 +558,8 @@ class ClaimUse:
 
 
 def claims_of(spec: api.RLJobSpec, layout: JobLayout) -> list[ClaimUse]:
-    """Every claim the job's pods mount (builders.pods mounts model in all pods, the rest in trainers)."""
+    """Every claim the job's pods mount (builders.pods: the model in trainer and rollout pods, the judge's
+    model in trainer and judge pods, the rest in trainer pods)."""
     out = []
     ckpt = spec.checkpoint.volume.claim_name
     if ckpt is not None:
@@ -522,6 +571,10 @@ def claims_of(spec: api.RLJobSpec, layout: JobLayout) -> list[ClaimUse]:
     data = spec.data.source.pvc
     if data is not None:
         out.append(ClaimUse("spec.data.source.pvc.claimName", data.claim_name, layout.trainer_pods, True))
+    judge = spec.reward.judge.model.source.pvc if spec.reward.judge is not None else None
+    if judge is not None:
+        pods = layout.trainer_pods + layout.judge_pods
+        out.append(ClaimUse("spec.reward.judge.model.source.pvc.claimName", judge.claim_name, pods, True))
     return out
 
 

@@ -168,6 +168,66 @@ def plan_request_from_spec(spec: api.RLJobSpec, model_config: dict[str, Any]) ->
     )
 
 
+def judge_config_source(spec: api.RLJobSpec) -> api.ModelConfigSource | None:
+    """Where the judge model's config.json comes from (None: the job has no judge)."""
+    return spec.reward.judge.model.config if spec.reward.judge is not None else None
+
+
+def _check_judge_engine(spec: api.RLJobSpec, judge: api.JudgeSpec, judge_config: dict[str, Any]) -> None:
+    """vLLM's CPU attention takes a fixed list of head sizes: a judge outside it cannot run on a cpu
+    pool's vLLM engine (as `check_rollout_engine` says of the policy)."""
+    res = spec.resources
+    if res.accelerator.kind != "cpu" or res.rollout.kind != "vllm":
+        return
+    model = est.ModelGeometry.from_hf_config(judge_config)
+    if model.mla is not None or model.head_dim in api.VLLM_CPU_ATTENTION_HEAD_SIZES:
+        return
+    sizes = ", ".join(map(str, api.VLLM_CPU_ATTENTION_HEAD_SIZES))
+    raise errors.UnsupportedHeadSizeError(
+        "spec.reward.judge.model",
+        f"head_dim {model.head_dim} ({_head_dim_source(judge_config)} of the judge {judge.model.name}) is "
+        f"not a head size vLLM's CPU attention runs ({sizes}), and accelerator.kind cpu with "
+        "spec.resources.rollout.kind vllm serves the judge with vLLM's CPU build: use a judge with one of "
+        "those head sizes, or set spec.resources.rollout.kind to transformers",
+    )
+
+
+def plan_judge(spec: api.RLJobSpec, judge_config: dict[str, Any] | None) -> est.JudgePlan | None:
+    """The judge's engines on the job's accelerator (None without spec.reward.judge). Raises
+    `EstimatorError`, and `InvalidSpecError` when the judge's config.json is missing."""
+    judge = spec.reward.judge
+    if judge is None:
+        return None
+    if not judge_config:
+        raise errors.InvalidSpecError(
+            "spec.reward.judge.model.config", "the judge's config.json is needed to size its engines"
+        )
+    _check_judge_engine(spec, judge, judge_config)
+    name, custom = _devices(spec)
+    device = est.get_device(name, custom)
+    agent = spec.rollout.agent
+    response_tokens = spec.lengths.max_completion_tokens
+    if agent is not None and agent.max_total_tokens is not None:
+        response_tokens = agent.max_total_tokens
+    request = est.JudgeRequest(
+        hf_config=judge_config,
+        dtype=judge.model.dtype,
+        device=device,
+        accelerators_per_node=spec.resources.accelerators_per_node,
+        engines=judge.engines,
+        tensor_parallel=judge.tensor_parallel,
+        gpu_memory_utilization=judge.gpu_memory_utilization,
+        kind=judge.kind,
+        prompt_template=judge.prompt_template,
+        max_prompt_tokens=spec.lengths.max_prompt_tokens,
+        max_response_tokens=response_tokens,
+        max_answer_tokens=judge.max_tokens,
+        responses_per_step=spec.grpo.prompts_per_step * spec.grpo.group_size,
+        engine_kind=spec.resources.rollout.kind,
+    )
+    return est.plan_judge(request)
+
+
 def plan_job(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.ResourcePlan:
     """The plan the operator applies and `rljob plan` prints. Raises `EstimatorError`."""
     plan = est.plan_resources(plan_request_from_spec(spec, model_config))
@@ -180,9 +240,26 @@ def plan_job(spec: api.RLJobSpec, model_config: dict[str, Any]) -> est.ResourceP
 MAX_PLAN_REASONS = 64
 
 
-def plan_status(plan: est.ResourcePlan) -> api.PlanStatus:
-    """The estimator's plan as the RLJob status and the builders see it."""
+def judge_status(judge: est.JudgePlan) -> api.JudgePlanStatus:
+    """The judge's plan as `status.plan.judge`."""
+    return api.JudgePlanStatus(
+        engines=judge.engines,
+        tensor_parallel=judge.tensor_parallel,
+        accelerators=judge.accelerators,
+        max_model_len=judge.max_model_len,
+        kv_cache_bytes=judge.kv_cache_bytes,
+        cpu_kv_cache_bytes=judge.cpu_kv_cache_bytes,
+        kv_cache_tokens=judge.kv_cache_tokens,
+        max_num_seqs=judge.max_num_seqs,
+        max_num_batched_tokens=judge.max_num_batched_tokens,
+        reasons=list(judge.reasons)[:32],
+    )
+
+
+def plan_status(plan: est.ResourcePlan, judge: est.JudgePlan | None = None) -> api.PlanStatus:
+    """The estimator's plan (and the judge's, if any) as the RLJob status and the builders see it."""
     return api.PlanStatus(
+        judge=judge_status(judge) if judge is not None else None,
         trainer_accelerators=plan.trainer_accelerators,
         rollout_accelerators=plan.rollout_accelerators,
         rollout_engines=plan.rollout_engines,

@@ -49,6 +49,7 @@ class Ctx:
     logger: Any
     now: datetime
     model_config: dict[str, Any] | None = None
+    judge_config: dict[str, Any] | None = None
     config_hash: str = ""
     retry_s: float | None = None
     retry_why: str = ""

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import kopf
 
 from rljob_operator import api, builders, errors, names
-from rljob_operator.builders import podgroup
+from rljob_operator.builders import environments, podgroup
 from rljob_operator.decide import admission, lifecycle, preemption
 from rljob_operator.kube import adapter
 from rljob_operator.reconcile import status
@@ -90,8 +91,16 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         return seen, False
     assert seen.plan is not None and seen.layout is not None
     core_layout = builders.compute_layout(spec, seen.plan)  # the plan's engines: the job's minimum
-    core_pods = builders.build_pods(ctx.job, spec, core_layout)
-    trainers, rollouts = core_pods[: core_layout.trainer_pods], core_pods[core_layout.trainer_pods :]
+    core_pods = builders.build_pods(ctx.job, spec, core_layout, judge_config=ctx.judge_config)
+
+    def of_role(role: str) -> list[dict[str, Any]]:
+        return [p for p in core_pods if p["metadata"]["labels"][names.LABEL_ROLE] == role]
+
+    trainers, rollouts = of_role(names.ROLE_TRAINER), of_role(names.ROLE_ROLLOUT)
+    # The judge's engines and the environment servers are part of what the job needs to progress.
+    extra = admission.core_extra_pods(
+        of_role(names.ROLE_JUDGE), environments.build_environment_pods(ctx.job, spec)
+    )
     known = ctx.state.workloads.setdefault(ctx.key, {})
     earlier = sorted(n for n, w in known.items() if w.owner_uid != ctx.uid)
     if earlier:  # an earlier RLJob's of the same name: its admission is not this job's
@@ -108,7 +117,7 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     if core is None or not core.quota_reserved:
         priority = await _workload_priority(ctx, spec, priority_class, core)
         desired = admission.core_workload(
-            ctx.job, trainers, rollouts, queue_name=queue_name, priority=priority
+            ctx.job, trainers, rollouts, queue_name=queue_name, priority=priority, extra=extra
         )
         if core is not None and not core.deleting and not admission.is_current(core, desired):
             await ctx.state.kube.delete_workload(ctx.job.namespace, wl_name)  # pending: rebuild it
@@ -127,7 +136,7 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
                 if core is not None:
                     known[wl_name] = core
     reserved = core is not None and core.quota_reserved and not core.deleting
-    if reserved and (why := admission.pod_sets_mismatch(core, trainers, rollouts)):
+    if reserved and (why := admission.pod_sets_mismatch(core, trainers, rollouts, extra)):
         queue = api.QueueStatus(name=queue_name, workload=wl_name, message=why[:1024])
         await _rebuild_admitted(ctx, core, why)
         return dataclasses.replace(seen, queue=queue), True
@@ -137,9 +146,9 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     # Extra engines beyond the minimum: one lower-priority Workload each, a pod once admitted.
     current = [p for p in ctx.pods if p.attempt == ctx.attempt and not p.deleting]
     core_n, target = core_layout.rollout_pods, seen.layout.rollout_pods
-    extra = {s.engine: s for s in known.values() if s.engine is not None}
+    engines = {s.engine: s for s in known.values() if s.engine is not None}
     running = [p.index for p in current if p.role == names.ROLE_ROLLOUT]
-    for index in sorted(set(range(core_n, target)) - set(extra)):
+    for index in sorted(set(range(core_n, target)) - set(engines)):
         pod = builders.build_rollout_pod(ctx.job, spec, seen.layout, index)
         wl = admission.engine_workload(
             ctx.job, pod, index, queue_name=queue_name, core_priority=core.priority
@@ -148,11 +157,11 @@ async def step_admission(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         await ctx.state.kube.create(wl)
     # An evicted engine falls outside `allowed` (the effective target, in the layout below): its
     # pod drains (`elastic.plan_rollout_pods`, the pods step); its Workload goes once the pod has.
-    for name in admission.stale_engine_workloads(core_n, target, extra, running):
+    for name in admission.stale_engine_workloads(core_n, target, engines, running):
         await ctx.state.kube.delete_workload(ctx.job.namespace, name)
-    allowed = admission.admitted_engines(core_n, target, extra)
+    allowed = admission.admitted_engines(core_n, target, engines)
     admitted = admission.admitted_pod_sets(
-        ctx.job.name, core, admission.pod_set_pods(trainers, rollouts), extra, range(core_n, allowed)
+        ctx.job.name, core, admission.pod_set_pods(trainers, rollouts, extra), engines, range(core_n, allowed)
     )
     for wl, members in admitted:
         await _report_pods_ready(ctx, wl, {n for pods in members.values() for n in pods}, current)

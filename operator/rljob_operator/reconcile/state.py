@@ -27,6 +27,7 @@ class Cache:
     uid: str | None = None
     generation: int | None = None
     model_config: dict[str, Any] | None = None
+    judge_config: dict[str, Any] | None = None  # spec.reward.judge's config.json (None: no judge)
     plan: api.PlanStatus | None = None
     applied: str | None = None  # hash of the non-pod children last applied
     error: BaseException | None = None  # a spec error of this generation (waits for the next)

@@ -19,6 +19,10 @@ Condition types:
 - `Complete` / `Failed`: the run ended (a spec error fails the job until a new generation fixes it).
 - `Admitted`: only for jobs labelled `kueue.x-k8s.io/queue-name`: Kueue admitted the job's
   Workload (False/Queued: no pod exists until it does; the phase is `Queued`).
+- `EnvironmentsReady`: only for jobs with spec.environments: every environment server's pods pass
+  their readiness probe (False: the first pod's trouble, CrashLoopBackOff, ImagePullBackOff,
+  CreateContainerConfigError, Unschedulable, EnvironmentNotReady, naming the pod and the fix; or
+  EnvironmentsStarting); `status.environments` has each one's ready pods and URL.
 - `Preempted`: Kueue evicted or preempted the job (`rljob_operator.decide.preemption`): True while the
   driver checkpoints (CheckpointRequested), its pods go (Stopping) and it waits in the queue
   (Requeued); False/Resumed once the readmitted job runs again.
@@ -34,7 +38,7 @@ from typing import Any, Literal
 import pydantic
 
 from rljob_operator import api, errors, names
-from rljob_operator.builders.common import JobLayout
+from rljob_operator.builders.common import JobLayout, JobRef
 from rljob_operator.decide.admission import Placement
 from rljob_operator.decide.lifecycle import PodObservation, RestartDecision
 from rljob_operator.decide.preemption import Decision as PreemptionDecision
@@ -47,6 +51,7 @@ RESTARTING = "Restarting"
 COMPLETE = "Complete"
 FAILED = "Failed"
 GANG_SCHEDULING = "GangScheduling"
+ENVIRONMENTS_READY = "EnvironmentsReady"  # spec.environments: every server's pods ready (or why not)
 TRACKING = "Tracking"  # False when an experiment tracker (W&B, MLflow) could not start or failed
 DATA_FILTERED = "DataFiltered"  # True when prompts over spec.lengths.maxPromptTokens were dropped
 ADMITTED = "Admitted"
@@ -61,7 +66,25 @@ CONDITION_TYPES = (
     ADMITTED,
     PREEMPTED,
     GANG_SCHEDULING,
+    ENVIRONMENTS_READY,
 )
+#: An environment pod that runs without passing its readiness probe is starting for this long, then
+#: it is named as not ready (EnvironmentNotReady): a server that never becomes ready says so.
+ENVIRONMENT_READINESS_GRACE_S = 60.0
+#: The fix of each way an environment pod fails, after the pod and the kubelet's words.
+_ENVIRONMENT_FIXES = {
+    "CrashLoopBackOff": "the server exits (kubectl logs {pod} --previous says why): fix "
+    "spec.environments[{i}].command, args or image",
+    "ImagePullBackOff": "fix spec.environments[{i}].image (or spec.image.pullSecrets)",
+    "ErrImagePull": "fix spec.environments[{i}].image (or spec.image.pullSecrets)",
+    "InvalidImageName": "fix spec.environments[{i}].image",
+    "CreateContainerConfigError": "create the Secret or ConfigMap it names, or fix "
+    "spec.environments[{i}].env",
+    "Unschedulable": "no node takes it: fix spec.environments[{i}].nodeSelector or resources, or add nodes",
+    "EnvironmentNotReady": "its readiness probe (GET {path} on port {port}) does not pass: the server must "
+    "answer 200 there (kubectl logs {pod}); fix spec.environments[{i}].readinessPath or the server",
+    "EnvironmentPodEnded": "the cluster ended it (evicted, or its node lost): it is recreated",
+}
 RESTART_AFTER_DISRUPTION = "Disrupted"
 RESTART_AFTER_FAILURE = "PodFailed"
 FIX_SPEC = "fix the spec and apply it again: the job goes on with the new generation"
@@ -141,6 +164,7 @@ class Observed:
     preemption: tuple[PreemptionDecision, str] | None = None  # (decision, condition message)
     unbound_claims: tuple[str, ...] = ()  # claims that exist but are not bound: one sentence each
     refit: api.PlanRefit | None = None  # the plan refitted from the job's reports (status.plan.refit)
+    job: JobRef | None = None  # the RLJob (its environments' Service URLs name it)
 
 
 def _condition(
@@ -164,10 +188,18 @@ def _set(
     return api.set_condition(conds, cond)
 
 
-def _pods_summary(pods: Sequence[PodObservation], layout: JobLayout | None) -> tuple[int, int]:
-    """(running, desired) pods of the current attempt."""
-    desired = (layout.trainer_pods + layout.rollout_pods) if layout else 0
-    running = sum(1 for p in pods if p.phase == "Running" and not p.deleting)
+def _pods_summary(
+    pods: Sequence[PodObservation], layout: JobLayout | None, spec: api.RLJobSpec | None = None
+) -> tuple[int, int]:
+    """(running, desired) pods of the current attempt; an environment server counts once it is ready
+    (its readiness probe passed: the Service sends it episodes)."""
+    desired = (layout.trainer_pods + layout.rollout_pods + layout.judge_pods) if layout else 0
+    desired += sum(e.replicas for e in spec.environments) if spec is not None and layout else 0
+    running = sum(
+        1
+        for p in pods
+        if p.phase == "Running" and not p.deleting and (p.role != names.ROLE_ENVIRONMENT or p.ready)
+    )
     return running, desired
 
 
@@ -249,9 +281,20 @@ def _trainer_notes(spec: api.RLJobSpec | None, report: SyncReport | None) -> lis
     return out
 
 
-def _pod_issue(pods: Sequence[PodObservation], unbound_claims: Sequence[str] = ()) -> tuple[str, str] | None:
-    """The first pod-level cause that keeps the attempt from running: (reason, message naming the pod)."""
-    for p in sorted(pods, key=lambda p: (p.role != names.ROLE_TRAINER, p.index)):
+def _pod_issue(
+    pods: Sequence[PodObservation],
+    unbound_claims: Sequence[str] = (),
+    spec: api.RLJobSpec | None = None,
+    now: datetime | None = None,
+) -> tuple[str, str] | None:
+    """The first pod-level cause that keeps the attempt from running: (reason, message naming the pod).
+    An environment server also counts while it runs without being ready (`_environment_issue`)."""
+    for p in sorted(pods, key=lambda p: (p.role != names.ROLE_TRAINER, p.role, p.index)):
+        if p.role == names.ROLE_ENVIRONMENT and spec is not None and p.phase == "Running":
+            issue = _environment_issue(p, spec, now)
+            if issue is not None and issue[0] != ENVIRONMENTS_STARTING:
+                return issue
+            continue
         if p.deleting or p.phase != "Pending":
             continue
         if p.waiting_reason:
@@ -261,6 +304,91 @@ def _pod_issue(pods: Sequence[PodObservation], unbound_claims: Sequence[str] = (
         if p.unschedulable:
             return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
     return None
+
+
+ENVIRONMENTS_STARTING = "EnvironmentsStarting"
+
+
+def _environment_issue(
+    p: PodObservation, spec: api.RLJobSpec, now: datetime | None
+) -> tuple[str, str] | None:
+    """Why environment pod `p` is not serving (reason, message naming the pod, the kubelet's words and
+    the fix), or None when it is ready. A pod still starting reads EnvironmentsStarting."""
+    if p.deleting:
+        return ENVIRONMENTS_STARTING, f"pod {p.name} is being replaced"
+    index = next((i for i, e in enumerate(spec.environments) if e.name == p.environment), 0)
+    env = spec.environments[index] if spec.environments else None
+    if p.phase in ("Failed", "Succeeded"):
+        reason, said = "EnvironmentPodEnded", p.message or p.phase
+    elif p.waiting_reason:
+        reason, said = p.waiting_reason, p.waiting_message
+    elif p.unschedulable:
+        reason, said = "Unschedulable", p.unschedulable
+    elif p.ready:
+        return None
+    else:
+        age_s = now.timestamp() - p.created if now is not None and p.created is not None else 0.0
+        if p.phase != "Running" or (p.restarts == 0 and age_s < ENVIRONMENT_READINESS_GRACE_S):
+            return ENVIRONMENTS_STARTING, f"pod {p.name} is starting"
+        reason, said = "EnvironmentNotReady", f"running for {age_s:.0f}s without passing its readiness probe"
+    fix = _ENVIRONMENT_FIXES.get(reason, "")
+    if fix and env is not None:
+        fix = fix.format(pod=p.name, i=index, path=env.readiness_path, port=env.port)
+    head = f"environment {p.environment}: pod {p.name}: {said}"
+    return reason, f"{head} ({fix})" if fix else head
+
+
+def compute_environments(
+    spec: api.RLJobSpec | None,
+    pods: Sequence[PodObservation],
+    job: JobRef | None,
+    now: datetime | None = None,
+) -> tuple[list[api.EnvironmentStatus] | None, tuple[bool, str, str] | None]:
+    """Each environment's ready pods and URL (`status.environments`), and the EnvironmentsReady
+    condition (status, reason, message): True once every server is ready; otherwise the first pod's
+    trouble (CrashLoopBackOff, ImagePullBackOff, CreateContainerConfigError, Unschedulable,
+    EnvironmentNotReady, EnvironmentPodEnded) naming the pod and the fix, or EnvironmentsStarting."""
+    if spec is None or not spec.environments:
+        return None, None
+    out: list[api.EnvironmentStatus] = []
+    trouble: tuple[str, str] | None = None
+    starting: tuple[str, str] | None = None
+    for env in spec.environments:
+        mine = sorted((p for p in pods if p.environment == env.name), key=lambda p: p.index)
+        ready = sum(1 for p in mine if p.ready and p.phase == "Running" and not p.deleting)
+        first: tuple[str, str] | None = None
+        for p in mine:
+            issue = _environment_issue(p, spec, now)
+            if issue is None:
+                continue
+            if issue[0] == ENVIRONMENTS_STARTING:
+                starting = starting or issue
+            elif trouble is None:
+                trouble = issue
+            first = first or issue
+        if len(mine) < env.replicas and first is None:
+            first = (
+                ENVIRONMENTS_STARTING,
+                f"{env.replicas - len(mine)} pod(s) of {env.name} not created yet",
+            )
+            starting = starting or first
+        out.append(
+            api.EnvironmentStatus(
+                name=env.name,
+                replicas=env.replicas,
+                ready_replicas=ready,
+                ready=f"{ready}/{env.replicas}",
+                url=names.environment_url(job.name, job.namespace, env.name) if job is not None else None,
+                message=first[1][:1024] if first is not None and ready < env.replicas else None,
+            )
+        )
+    summary = ", ".join(f"{e.name} {e.ready}" for e in out)
+    if trouble is not None:
+        return out, (False, trouble[0], f"{trouble[1]} (ready: {summary})")
+    if all(e.ready_replicas >= e.replicas for e in out):
+        return out, (True, "EnvironmentsReady", f"ready: {summary}")
+    why = starting[1] if starting is not None else "waiting for their pods"
+    return out, (False, ENVIRONMENTS_STARTING, f"{why} (ready: {summary})")
 
 
 def _checkpoint_note(spec: api.RLJobSpec | None) -> str:
@@ -348,7 +476,11 @@ def compute_status(
         "SuspendedBySpec" if suspended else "NotSuspended",
         "spec.suspend is true: pods deleted, the job is kept" if suspended else "",
     )
-    running, desired = _pods_summary(observed.pods, layout)
+    running, desired = _pods_summary(observed.pods, layout, spec)
+    environments, env_condition = compute_environments(spec, observed.pods, observed.job, now)
+    new.environments = environments
+    if env_condition is not None and not suspended:
+        put(ENVIRONMENTS_READY, *env_condition)
     action = decision.action if decision is not None else "run"
     queue = observed.queue
     new.queue = queue
@@ -396,7 +528,7 @@ def compute_status(
         new.start_time = new.start_time or now
         all_running = desired > 0 and running >= desired and not observed.waiting
         new.phase = "Running" if all_running else "Pending"
-        issue = None if all_running else _pod_issue(observed.pods, observed.unbound_claims)
+        issue = None if all_running else _pod_issue(observed.pods, observed.unbound_claims, spec, now)
         if issue is not None:
             put(READY, False, issue[0], f"{issue[1]} ({running}/{desired} pods running)")
         else:
@@ -540,9 +672,10 @@ def transitions(old: Sequence[api.Condition], new: Sequence[api.Condition]) -> l
 def event_type(cond: api.Condition) -> Literal["Normal", "Warning"]:
     """Warning for conditions that report trouble, Normal otherwise."""
     bad = (cond.type in (FAILED, RESTARTING) and cond.status == "True") or (
-        cond.type in (PLANNED, READY, TRACKING)
+        cond.type in (PLANNED, READY, TRACKING, ENVIRONMENTS_READY)
         and cond.status == "False"
-        and cond.reason not in ("PodsPending", "Suspended", "Finished", "SpecFixed", "Queued")
+        and cond.reason
+        not in ("PodsPending", "Suspended", "Finished", "SpecFixed", "Queued", ENVIRONMENTS_STARTING)
     )
     return "Warning" if bad else "Normal"
 

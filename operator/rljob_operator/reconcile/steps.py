@@ -37,7 +37,7 @@ import kopf
 import pydantic
 
 from rljob_operator import api, builders, errors, names
-from rljob_operator.builders import network_policy, podgroup
+from rljob_operator.builders import environments, network_policy, podgroup
 from rljob_operator.decide import admission, elastic, lifecycle, planning, policy, pools
 from rljob_operator.estimator import presets
 from rljob_operator.kube import adapter, metrics, resync, trace
@@ -233,17 +233,21 @@ async def _step_plan(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
         bad_name = names.validate_job_name(ctx.job.name)
         if bad_name:
             raise errors.InvalidSpecError("metadata.name", bad_name)
+        for i, env in enumerate(spec.environments):
+            if why := names.validate_environment_name(ctx.job.name, env.name):
+                raise errors.InvalidSpecError(f"spec.environments[{i}].name", why)
         plan, model_config = await _plan(ctx, spec)
     except (errors.RLJobError, pydantic.ValidationError) as exc:
         if not isinstance(exc, errors.RLJobError) or not exc.retryable:
             cache.generation, cache.error, cache.plan = ctx.generation, exc, None
         raise
     ctx.model_config = model_config
+    ctx.judge_config = cache.judge_config
     adaptive = spec.resources.mode == "adaptive"
     desired_dedicated = ctx.old.rollout.desired_dedicated_engines if adaptive and ctx.old.rollout else None
     layout = builders.compute_layout(spec, plan, desired_dedicated)
     current = [p for p in ctx.pods if p.attempt == ctx.attempt]
-    return dataclasses.replace(seen, spec=spec, plan=plan, layout=layout, pods=current), False
+    return dataclasses.replace(seen, spec=spec, plan=plan, layout=layout, pods=current, job=ctx.job), False
 
 
 async def _step_suspend(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
@@ -308,9 +312,9 @@ def _vanished_pods(ctx: Ctx) -> dict[str, str]:
             continue  # a rollout pod is recreated alone by the pod diff, whatever took it
         if name in disrupted:
             out[name] = f"pod {name} was disrupted ({disrupted[name][1]})"
-        elif role is not None and role[0] == names.ROLE_TRAINER:
+        elif role is not None and role[0] in lifecycle.GANG_ROLES:
             out[name] = (
-                f"trainer pod {name} disappeared (deleted outside the operator, or lost with its node)"
+                f"{role[0]} pod {name} disappeared (deleted outside the operator, or lost with its node)"
             )
     return out
 
@@ -346,6 +350,7 @@ async def _step_children(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         # keeps the token its running pods have). Never logged, never in the status.
         ray_token=secrets.token_hex(32),
         network=NETWORK_POLICY,
+        judge_config=ctx.judge_config,
     )
     ctx.config_hash = objects.config_hash
     await _apply_children(ctx, objects)
@@ -427,7 +432,9 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
         attempt=ctx.attempt,
         config_hash=ctx.config_hash,
         model_config=ctx.model_config,
+        judge_config=ctx.judge_config,
     )
+    desired += environments.build_environment_pods(ctx.job, spec, attempt=ctx.attempt)
     if seen.placements:  # Kueue admitted them: onto the admitted flavors' nodes
         desired = [
             admission.place_pod(d, seen.placements[d["metadata"]["name"]])
@@ -441,16 +448,22 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
     seen, elastic_plan = _plan_rollout_pods(ctx, seen)
     held = {names.rollout_pod_name(ctx.job.name, i) for i in elastic_plan.hold}  # backoff: not yet
     desired = [d for d in desired if d["metadata"]["name"] not in held]
+    ended = lifecycle.environment_pods_to_replace(ctx.pods, ctx.attempt)
+    if ended:
+        why = "; ".join(f"{p.name} {p.phase}" + (f" ({p.message})" if p.message else "") for p in ended)
+        post(ctx, "Warning", "EnvironmentPodReplaced", f"{why}: recreating it (the trainers keep running)")
     diff = lifecycle.diff_pods(
         desired,
         ctx.pods,
         ctx.attempt,
         keep=elastic_plan.keep,
-        replace=[r.name for r in elastic_plan.replace],
+        replace=[r.name for r in elastic_plan.replace] + [p.name for p in ended],
     )
     lost = {r.name for r in elastic_plan.replace}
-    await delete_pods(ctx, [n for n in diff.delete if n not in lost], why="stale")
+    gone = {p.name for p in ended}
+    await delete_pods(ctx, [n for n in diff.delete if n not in lost | gone], why="stale")
     await delete_pods(ctx, [n for n in diff.delete if n in lost], why="engine-lost")
+    await delete_pods(ctx, [n for n in diff.delete if n in gone], why="environment-ended")
     # Pods this operator created that the watch has not shown yet exist: creating them again
     # would only earn a 409 (`resync.unseen_creates`; forgotten once the watch shows them).
     made_here = ctx.state.created.setdefault(ctx.key, {})
@@ -481,6 +494,13 @@ async def _step_pods(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
         post(ctx, "Normal", "PodsCreated", f"created {', '.join(created)}")
     if diff.waiting:
         ctx.retry(WAIT_FOR_TERMINATION_S, f"waiting for {', '.join(diff.waiting)} to terminate")
+    if any(
+        p.role == names.ROLE_ENVIRONMENT and p.phase == "Running" and not p.ready and p.attempt == ctx.attempt
+        for p in ctx.pods
+    ):
+        # A readiness probe that keeps failing changes nothing a watch sees: look again, so the
+        # status names a server that never becomes ready (`status.ENVIRONMENT_READINESS_GRACE_S`).
+        ctx.retry(status.ENVIRONMENT_READINESS_GRACE_S / 4, "an environment pod is not ready yet")
     starting = tuple(created) + tuple(sorted(in_flight & {p["metadata"]["name"] for p in diff.create}))
     return dataclasses.replace(seen, waiting=diff.waiting + starting), False
 
@@ -585,16 +605,18 @@ STEPS: tuple[Step, ...] = (
 
 
 # ---- step helpers --------------------------------------------------------------------------------
-async def _model_config(ctx: Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
-    src = spec.model.config
+async def _model_config(
+    ctx: Ctx, src: api.ModelConfigSource, where: str = "spec.model.config"
+) -> dict[str, Any]:
+    """The config.json of `src` (spec.model.config, or spec.reward.judge.model.config: `where`)."""
     if src.inline is not None:
         return dict(src.inline)
     if src.preset is not None:
         return presets.load_preset(src.preset)
     ref = src.config_map_ref
     if ref is None:
-        raise errors.InvalidSpecError("spec.model.config", "set one of preset, inline or configMapRef")
-    field = "spec.model.config.configMapRef"
+        raise errors.InvalidSpecError(where, "set one of preset, inline or configMapRef")
+    field = f"{where}.configMapRef"
     cm = await ctx.state.kube.read_config_map(ctx.job.namespace, ref.name)
     if cm is None:
         raise errors.ModelConfigUnreadableError(
@@ -622,21 +644,33 @@ async def _model_config(ctx: Ctx, spec: api.RLJobSpec) -> dict[str, Any]:
     return parsed
 
 
-def _compute_plan(spec: api.RLJobSpec, model_config: dict[str, Any]) -> api.PlanStatus:
-    """The estimator's plan (`planning.plan_job`: spec -> PlanRequest -> ResourcePlan) as a PlanStatus.
+def _compute_plan(
+    spec: api.RLJobSpec, model_config: dict[str, Any], judge_config: dict[str, Any] | None = None
+) -> api.PlanStatus:
+    """The estimator's plan (`planning.plan_job`: spec -> PlanRequest -> ResourcePlan), with the judge's
+    engines (`planning.plan_judge`) when the job has one, as a PlanStatus.
 
     Estimator errors carry their own reason; anything else is a bug and surfaces as InternalError.
     """
-    return planning.plan_status(planning.plan_job(spec, model_config))
+    return planning.plan_status(
+        planning.plan_job(spec, model_config), planning.plan_judge(spec, judge_config)
+    )
 
 
 async def _plan(ctx: Ctx, spec: api.RLJobSpec) -> tuple[api.PlanStatus, dict[str, Any]]:
     cache = ctx.state.cache_for(ctx.key, ctx.uid)
     if cache.generation == ctx.generation and cache.plan is not None and cache.model_config is not None:
         return cache.plan, cache.model_config
-    model_config = await _model_config(ctx, spec)
-    plan = await guards.plan_off_loop(functools.partial(_compute_plan, spec, model_config))
+    model_config = await _model_config(ctx, spec.model.config)
+    judge_source = planning.judge_config_source(spec)
+    judge_config = (
+        await _model_config(ctx, judge_source, "spec.reward.judge.model.config")
+        if judge_source is not None
+        else None
+    )
+    plan = await guards.plan_off_loop(functools.partial(_compute_plan, spec, model_config, judge_config))
     cache.generation, cache.plan, cache.model_config, cache.applied = ctx.generation, plan, model_config, None
+    cache.judge_config = judge_config
     cache.error = None
     return plan, model_config
 

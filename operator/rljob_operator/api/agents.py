@@ -1,0 +1,257 @@
+"""`spec.rollout.agent` and `spec.environments`: multi-turn, tool-using episodes and the environment
+servers the operator runs for them (docs/agents.md).
+
+The agent loop itself runs in the trainer image (`rljob_trainer.config.AgentSettings`, what these
+render to); the environments are pods and a Service per entry that the operator creates, fences
+and deletes with the job (`builders.environments`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from rljob_operator import quantity
+from rljob_operator.api.base import CelRule, Quantity, _count, _Spec
+from rljob_operator.api.model import SecretKeyRef
+
+ToolKind = Literal["calculator", "python", "http"]
+#: An environment's name: it becomes part of its Service (`<job>-env-<name>`, an RFC 1035 label).
+ENVIRONMENT_NAME_PATTERN = r"^[a-z]([-a-z0-9]{0,20}[a-z0-9])?$"
+#: Kueue admits a Workload of at most 8 podSets: trainer pods (1 or 2), rollout pods, judge pods
+#: and one podSet per environment fit in it with at most 4 environments.
+MAX_ENVIRONMENTS = 4
+#: The smallest address space a python tool may have (the trainer's ToolSettings.memory_bytes floor).
+MIN_TOOL_MEMORY_BYTES = 16 * 1024**2
+#: What an environment runs when its command is not set: the environment shipped in the trainer image.
+DEFAULT_ENVIRONMENT_MODULE = "rljob_env.arithmetic"
+
+
+# --------------------------------------------------------------------------------------------
+# spec.rollout.agent
+# --------------------------------------------------------------------------------------------
+class ToolSpec(_Spec):
+    """A tool the policy may call between turns, offered through the model's chat template."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="(self.kind == 'http') == has(self.url)",
+            message="spec.rollout.agent.tools[].url is required for kind http and forbidden otherwise (a "
+            "calculator or python tool runs inside the trainer's sandbox)",
+            field_path=".url",
+            check=lambda s: (s.kind == "http") == (s.url is not None),
+        ),
+        CelRule(
+            rule="!has(self.parameters) || self.kind == 'http'",
+            message="spec.rollout.agent.tools[].parameters is for kind http (the calculator and python tools "
+            "declare their own arguments): remove it",
+            field_path=".parameters",
+            reason="FieldValueForbidden",
+            check=lambda s: s.parameters is None or s.kind == "http",
+        ),
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The name the model calls the tool by (letters, digits and _).",
+    )
+    kind: ToolKind = Field(
+        description="calculator (arithmetic on numbers: no names, no calls), python (a sandboxed "
+        "interpreter: no network, CPU, memory and time limits, nothing of the trainer reachable) or http "
+        "(a user tool: "
+        "POST {name, arguments} to url, answered {result})."
+    )
+    description: str | None = Field(
+        None, min_length=1, max_length=1024, description="What the model is told the tool does."
+    )
+    url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="kind http: where calls go (in the cluster; the job's NetworkPolicy must let the "
+        "trainer pods reach it).",
+    )
+    parameters: dict[str, Any] | None = Field(
+        None,
+        description="kind http: the JSON schema of the call's arguments, offered to the model through the "
+        "chat template. Default: an object with no declared properties.",
+    )
+    timeout_seconds: float = Field(
+        10.0, gt=0.0, le=3600.0, description="A call running longer fails, and its result says so."
+    )
+    cpu_seconds: float = Field(5.0, gt=0.0, le=3600.0, description="kind python: CPU time of one call.")
+    memory: Quantity = Field("256Mi", description="kind python: address space of one call, at least 16Mi.")
+    max_result_chars: int = Field(
+        2000, ge=16, le=1_000_000, description="A longer result is cut, and says it was."
+    )
+
+    @model_validator(mode="after")
+    def _memory_floor(self) -> ToolSpec:
+        # Not CEL: a quantity's bytes need the Kubernetes parser.
+        if quantity.to_bytes(self.memory) < MIN_TOOL_MEMORY_BYTES:
+            raise ValueError(
+                f"spec.rollout.agent.tools[].memory {self.memory} is below 16Mi: a Python interpreter "
+                "does not start in less; raise it"
+            )
+        return self
+
+
+class AgentSpec(_Spec):
+    """Episodes of several turns: the model generates, calls tools or steps an environment, and
+    generates again, until it answers, maxTurns or the token budget. What the engine generated is
+    never re-tokenised: log-probs and staleness stay exact per token, and the tool and environment
+    tokens are masked out of the loss."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
+            message="spec.rollout.agent.tools[].name must be unique: the model calls a tool by its name",
+            field_path=".tools",
+            check=lambda s: len({t.name for t in s.tools}) == len(s.tools),
+        ),
+    )
+
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode.")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="Response tokens of one episode, generated and tool/observation tokens together; at "
+        "most spec.lengths.maxCompletionTokens (the engines' context is maxPromptTokens + "
+        "maxCompletionTokens). Default: spec.lengths.maxCompletionTokens.",
+    )
+    tools: list[ToolSpec] = Field(
+        default_factory=list, max_length=16, description="Tools offered to the model (hermes tool calls)."
+    )
+    environment: str | None = Field(
+        None,
+        min_length=1,
+        max_length=22,
+        pattern=ENVIRONMENT_NAME_PATTERN,
+        description="The name of a spec.environments[] entry whose reset/step drive the episodes "
+        "(docs/contracts.md). Unset: the prompts come from spec.data and the tools are the only world.",
+    )
+
+
+class RolloutLoopSpec(_Spec):
+    """How episodes are rolled out (the engines themselves are spec.resources.rollout)."""
+
+    agent: AgentSpec | None = Field(
+        None, description="Multi-turn, tool-using episodes. Unset: one turn per prompt."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# spec.environments[]
+# --------------------------------------------------------------------------------------------
+class EnvVarSpec(_Spec):
+    """An environment variable of an environment's container: a value, or a Secret key."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="has(self.value) != has(self.secretKeyRef)",
+            message="spec.environments[].env[]: set exactly one of value or secretKeyRef",
+            check=lambda s: _count(s.value, s.secret_key_ref) == 1,
+        ),
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name (a C identifier, or with - and .).",
+    )
+    value: str | None = Field(None, max_length=32768, description="The value.")
+    secret_key_ref: SecretKeyRef | None = Field(
+        None, description="A Secret key in the RLJob's namespace holding the value (never inline)."
+    )
+
+
+class EnvironmentResourcesSpec(_Spec):
+    """CPU and memory of one environment pod (requests = limits)."""
+
+    cpu: Quantity = Field("500m", description="CPU request and limit, for example 1 or 500m.")
+    memory: Quantity = Field("512Mi", description="Memory request and limit, for example 1Gi.")
+    scratch: Quantity = Field(
+        "256Mi",
+        description="Size limit of the pod's writable /tmp (an emptyDir: the root filesystem is read-only).",
+    )
+
+
+class EnvironmentSpec(_Spec):
+    """An environment server of the job: `replicas` pods `<job>-env-<name>-<i>` behind the Service
+    `<job>-env-<name>` (port 80 to the container's port), inside the job's NetworkPolicy (only the
+    job's trainer and rollout pods reach it; it reaches nothing), under PodSecurity restricted, created
+    and deleted with the job. It speaks the reset/step protocol of docs/contracts.md."""
+
+    cel_rules: ClassVar[tuple[CelRule, ...]] = (
+        CelRule(
+            rule="!has(self.image) || has(self.command)",
+            message="spec.environments[].command is required with an image of your own (the default "
+            "command, python -m " + DEFAULT_ENVIRONMENT_MODULE + ", is in the trainer image only)",
+            field_path=".command",
+            reason="FieldValueRequired",
+            check=lambda s: s.command is not None or s.image is None,
+        ),
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=22,
+        pattern=ENVIRONMENT_NAME_PATTERN,
+        description="The environment's name (lowercase letters, digits and -, starting with a letter): "
+        "spec.rollout.agent.environment names it, and its Service is <job>-env-<name>.",
+    )
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="Container image. Default: the job's trainer image (spec.image.trainer), which ships "
+        "the rljob_env environments.",
+    )
+    command: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="The container's command. Default: python -m "
+        + DEFAULT_ENVIRONMENT_MODULE
+        + " (the arithmetic environment shipped in the trainer image). The server listens on "
+        "$RLJOB_ENV_PORT (= port); write $(RLJOB_ENV_PORT) in args to pass it.",
+    )
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=64, description="Arguments of the command."
+    )
+    env: list[EnvVarSpec] = Field(
+        default_factory=list, max_length=64, description="More environment variables of the container."
+    )
+    port: int = Field(
+        8080,
+        ge=1024,
+        le=65535,
+        description="The port the server listens on (the pod runs as non-root, so at least 1024); the "
+        "container gets it as RLJOB_ENV_PORT and names it http.",
+    )
+    replicas: int = Field(1, ge=1, le=64, description="Pods serving this environment behind its Service.")
+    resources: EnvironmentResourcesSpec = Field(
+        default_factory=EnvironmentResourcesSpec, description="CPU, memory and scratch space of each pod."
+    )
+    readiness_path: str = Field(
+        "/healthz",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        description="HTTP path of the readiness probe (GET, 200 when the server takes episodes); the "
+        "Service sends requests only to ready pods.",
+    )
+    timeout_seconds: float = Field(
+        30.0, gt=0.0, le=3600.0, description="One reset or step running longer fails the episode."
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        description="Node labels the environment pods require (they request no accelerator). Default: any "
+        "node that admits them.",
+    )
