@@ -140,3 +140,19 @@ def test_text_shows_the_last_steps_numerics_by_verls_names_and_null_as_a_dash() 
     assert "IS masked 0.01" in text
     old_driver = console.render_status(console.build_status_view(RLJOB, [_report(1, 0.1)], []), now=NOW)
     assert "Numerics" not in old_driver
+
+
+def test_status_says_what_the_engines_platform_can_do_and_the_last_wake() -> None:
+    reports = [_report(s, 0.1 * s) for s in range(1, 4)]
+    reports[1] = reports[1].model_copy(
+        update={
+            "engine_platform": "vLLM 0.32.0 on cpu, no sleep mode (sleep = stop, wake = restart)",
+            "shared_wake_s": 19.5,
+            "shared_wake_restarted": True,
+        }
+    )
+    text = console.render_status(console.build_status_view(RLJOB, reports, []), now=NOW, plots=False)
+    assert "engines: vLLM 0.32.0 on cpu, no sleep mode (sleep = stop, wake = restart)" in text
+    assert "last shared-engine wake: step 2, 19.5 s, started again (no sleep mode)" in text
+    plain = console.render_status(console.build_status_view(RLJOB, reports[:1], []), now=NOW, plots=False)
+    assert "engines:" not in plain and "shared-engine wake" not in plain

@@ -317,3 +317,27 @@ def test_a_tracker_that_could_not_start_is_a_warning_condition_and_dropped_promp
     assert filtered.reason == "PromptsDropped" and filtered.message.startswith("3 prompts are longer")
     fine = status.compute_status(st_, dataclasses.replace(observed, report=_report()), generation=3, now=T1)
     assert cond(fine, status.TRACKING).status == "True"
+
+
+def test_a_report_asks_for_events_of_a_checkpoint_fallback_and_of_a_shared_engines_wake() -> None:
+    from rljob_operator.reconcile import status as status_mod
+
+    assert status_mod.report_events(_report()) == []
+    woken = _report(
+        shared_wake_s=21.4,
+        shared_wake_restarted=True,
+        engine_platform="vLLM 0.32.0 on cpu, no sleep mode (sleep = stop, wake = restart)",
+        checkpoint_fallback="resumed from step-4: step-6 is partial",
+    )
+    (fallback, wake) = status_mod.report_events(woken)
+    assert fallback == ("Warning", "CheckpointFallback", "step 7: resumed from step-4: step-6 is partial")
+    assert wake[:2] == ("Normal", "SharedEngineWoken")
+    assert "woke in 21.4 s" in wake[2] and "started again: vLLM 0.32.0 on cpu, no sleep mode" in wake[2]
+    slept = status_mod.report_events(_report(shared_wake_s=0.8, shared_wake_restarted=False))
+    assert slept == [
+        (
+            "Normal",
+            "SharedEngineWoken",
+            "step 7: a shared engine woke in 0.8 s (woken from vLLM's sleep mode)",
+        )
+    ]

@@ -217,6 +217,17 @@ def _numerics_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
 
 
+def _engine_lines(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What the engines' platform said it can do, and the last wake of a shared engine."""
+    platform = next((h.get("enginePlatform") for h in reversed(history) if h.get("enginePlatform")), None)
+    wake = next((h for h in reversed(history) if h.get("sharedWakeS") is not None), None)
+    out = [f"  engines: {platform}"] if platform else []
+    if wake is not None:
+        how = "started again (no sleep mode)" if wake.get("sharedWakeRestarted") else "woke from sleep"
+        out.append(f"  last shared-engine wake: step {wake.get('step')}, {wake['sharedWakeS']:.1f} s, {how}")
+    return out
+
+
 def _fields(obj: Mapping[str, Any], fields: Sequence[tuple[str, str]]) -> str:
     return "  " + ", ".join(f"{label} {obj.get(key, '-')}" for label, key in fields)
 
@@ -253,6 +264,7 @@ def render_status(view: Mapping[str, Any], *, now: datetime, width: int = 100, p
         f"  export {prog.get('exportPath') or '-'}",
         "Rollout:",
         _fields(roll, ROLLOUT),
+        *_engine_lines(view["history"]),
         *_elastic_lines(roll),
         *_numerics_lines(view["history"]),
         "",

@@ -73,8 +73,8 @@ class State:
     created: dict[str, dict[str, tuple[int, float]]] = dataclasses.field(default_factory=dict)
     # job key -> monotonic s of the first status write put off (`resync.defer_status`)
     unwritten: dict[str, float] = dataclasses.field(default_factory=dict)
-    # job key -> checkpoint fallbacks the driver reported and the operator already posted as Events
-    fallbacks_posted: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    # job key -> what SyncReports asked to post (checkpoint fallbacks, shared-engine wakes) and was posted
+    report_events_posted: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     # job key -> API errors in a row (`resync.api_error_delay_s`: the job's backoff)
     api_failures: dict[str, int] = dataclasses.field(default_factory=dict)
     # Events being posted after their reconcile (kept referenced until done)
@@ -178,7 +178,7 @@ class State:
         self.created.pop(key, None)
         self.reports.pop(key, None)
         self.unwritten.pop(key, None)
-        self.fallbacks_posted.pop(key, None)
+        self.report_events_posted.pop(key, None)
         self.api_failures.pop(key, None)
         self.events = {mark: at for mark, at in self.events.items() if mark[0] != key}
         metrics.set_phase_counts(self.phases)

@@ -281,6 +281,29 @@ def _trainer_notes(spec: api.RLJobSpec | None, report: SyncReport | None) -> lis
     return out
 
 
+def report_events(report: SyncReport) -> list[tuple[Literal["Normal", "Warning"], str, str]]:
+    """The Events one SyncReport asks for (type, reason, message): a resume past corrupt or partial
+    checkpoints (CheckpointFallback), a shared engine's wake with its measured cost, and whether its
+    platform had to start it again because it has no sleep mode (SharedEngineWoken)."""
+    out: list[tuple[Literal["Normal", "Warning"], str, str]] = []
+    if report.checkpoint_fallback:
+        out.append(("Warning", "CheckpointFallback", f"step {report.step}: {report.checkpoint_fallback}"))
+    if report.shared_wake_s is not None:
+        how = (
+            f"started again: {report.engine_platform or 'its platform has no sleep mode'}"
+            if report.shared_wake_restarted
+            else "woken from vLLM's sleep mode"
+        )
+        out.append(
+            (
+                "Normal",
+                "SharedEngineWoken",
+                f"step {report.step}: a shared engine woke in {report.shared_wake_s:.1f} s ({how})",
+            )
+        )
+    return out
+
+
 def _pod_issue(
     pods: Sequence[PodObservation],
     unbound_claims: Sequence[str] = (),

@@ -388,17 +388,19 @@ async def _step_capacity(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
     return seen, False
 
 
-async def _step_checkpoint_fallback(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
-    """A driver that resumed past a corrupt or partial checkpoint says so in a SyncReport
-    (`checkpointFallback`): a Warning Event on the RLJob, once per fallback."""
-    posted = ctx.state.fallbacks_posted.setdefault(ctx.key, set())
+async def _step_report_events(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, bool]:
+    """What the driver's SyncReports say that a user should see among the RLJob's Events, once each
+    (`status.report_events`): a resume past a corrupt or partial checkpoint (Warning
+    CheckpointFallback), a shared engine's wake and what it cost (SharedEngineWoken)."""
+    posted = ctx.state.report_events_posted.setdefault(ctx.key, set())
     for report in sync_reports(ctx):
-        note = report.checkpoint_fallback
-        if note and note not in posted:
+        for type_, reason, message in status.report_events(report):
+            if message in posted:
+                continue
             queued = len(ctx.events)
-            post(ctx, "Warning", "CheckpointFallback", f"step {report.step}: {note}")
+            post(ctx, type_, reason, message)
             if len(ctx.events) > queued:  # not rate-limited: the next one goes at a later reconcile
-                posted.add(note)
+                posted.add(message)
     return seen, False
 
 
@@ -596,7 +598,7 @@ STEPS: tuple[Step, ...] = (
     _step_children,
     _step_volumes,
     _step_capacity,
-    _step_checkpoint_fallback,
+    _step_report_events,
     _step_adapt,
     step_admission,
     step_gang,
