@@ -307,6 +307,15 @@ INVALID_CASES: list[InvalidCase] = [
         "spec.trainerPool.tolerations[0].tolerationSeconds",
         "allowed only with effect NoExecute",
     ),
+    InvalidCase(
+        "range-reasoning-gym-config-fields",
+        {
+            "spec.data.source": {
+                "reasoningGym": {"task": "chain_sum", "config": {f"f{i}": i for i in range(33)}}
+            }
+        },
+        "spec.data.source.reasoningGym.config",
+    ),
     # agents: spec.rollout.agent, spec.environments, spec.reward.judge (docs/agents.md)
     InvalidCase(
         "cel-agent-tool-names-unique",
