@@ -664,7 +664,15 @@ class EnvironmentSettings(_Model):
     name: str = Field(..., pattern=r"^[a-z0-9]([-a-z0-9]{0,30}[a-z0-9])?$")
     url: str = Field(
         ...,
-        description="Base URL of its Service, as the operator renders it: http://<job>-env-<name>.<ns>.svc:80.",
+        description="Base URL of its headless Service, as the operator renders it: "
+        "http://<job>-env-<name>.<ns>.svc:<port> (resolves to its ready replicas).",
+    )
+    replica_urls: list[str] = Field(
+        default_factory=list,
+        description="Base URL of each replica, http://<job>-env-<name>-<i>.<job>-env-<name>.<ns>.svc:<port> "
+        "(its pod's own DNS name): an episode's reset and steps go to one replica, which holds the episode "
+        "(a Service spreads connections over replicas). A replica that is not ready does not resolve: "
+        "reset on another. Empty: `url` alone (one replica, or tests).",
     )
     timeout_s: float = Field(30.0, gt=0, description="One reset or step running longer fails the episode.")
 
