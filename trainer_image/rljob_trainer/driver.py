@@ -35,7 +35,7 @@ from rljob_trainer.data import evaluation, rewards, sources
 from rljob_trainer.engines import base as engine_base
 from rljob_trainer.model import modeling
 from rljob_trainer.outputs import checkpoint, export, telemetry, telemetry_sink, tracking
-from rljob_trainer.rollout import buffer, dispatcher, engine_sync, pipeline
+from rljob_trainer.rollout import agent, agent_loop, buffer, dispatcher, engine_sync, pipeline
 from rljob_trainer.train import algos, dynamic_sampling, train_metrics, trainer
 from rljob_trainer.weights import weight_sync
 
@@ -127,6 +127,11 @@ class GRPODriver:
         self.examples, dropped = sources.load_fitting_examples(
             cfg.data, self.tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
         )
+        # Multi-turn episodes (spec.rollout.agent): the tools are offered in the prompt, so it must fit too.
+        self.agent_loop = agent_loop.AgentLoop(cfg, self.tokenizer) if cfg.agent else None
+        if self.agent_loop is not None:
+            self.examples, more = self.agent_loop.fitting_examples(self.examples, "agent prompts")
+            dropped = [*dropped, *more]
         self.dropped_prompts = len(dropped)
         self.reward_fn = rewards.build_reward_fn(cfg.rewards)
         self.adv_fn = algos.get_adv_estimator(cfg.grpo.adv_estimator)
@@ -150,8 +155,9 @@ class GRPODriver:
             self.engines,
             self,
             examples=self.examples,
-            encode_prompt=self._encode_prompt,
+            encode_prompt=self._encode_prompt if self.agent_loop is None else self.agent_loop.prompt_ids,
             clock=clock,
+            agent_loop=self.agent_loop,
         )
         self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
         # What each engine's platform said it can do (`engines.platform.EngineCapabilities`, from load()).
@@ -594,9 +600,15 @@ class GRPODriver:
     def _score(self, job: pipeline.GenJob) -> dynamic_sampling.ScoredBatch:
         """One generation job's completions with their rewards (one entry per sample)."""
         outs = [o for o in job.outputs if o is not None]
-        completions = [self.tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs]
+        completions = [agent.completion_text(o, self.tokenizer.decode) for o in outs]  # an episode's turns
         example_ids = [job.prompt_indices[p] for p in job.group_ids]
         exs = [self.examples[i] for i in example_ids]
+        if self.agent_loop is not None and self.agent_loop.environment:
+            # The environment's reward (the sum of its steps', or the final one `done` gave).
+            env = [float(getattr(o, "env_reward", None) or 0.0) for o in outs]
+            return dynamic_sampling.ScoredBatch(
+                outs, example_ids, list(job.group_ids), env, {"environment": env}
+            )
         totals, parts = self.reward_fn.score_batch(
             [e.prompt for e in exs], completions, [e.answer for e in exs]
         )
@@ -633,8 +645,11 @@ class GRPODriver:
         idx = [batch.example_ids[grp[0]] for grp in batch.groups()]  # the step's prompts, in order
         import torch
 
+        agent.check_not_all_failed(outs, step)  # some failed episodes cost themselves; all fail the job
         adv = self.adv_fn(
-            torch.tensor(totals, dtype=torch.float64), torch.tensor(group_ids), norm_by_std=g.norm_adv_by_std
+            torch.tensor(totals, dtype=torch.float64),
+            torch.tensor(agent.advantage_groups(outs, group_ids)),  # a failed episode: its own group
+            norm_by_std=g.norm_adv_by_std,
         ).tolist()
         eos = self.tokenizer.eos_token_id
         samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
@@ -687,6 +702,7 @@ class GRPODriver:
             **ds_metrics,
             "data/dropped_prompts": self.dropped_prompts,
             **pipeline.rollout_step_metrics(outs, step - 1),
+            **agent.agent_step_metrics(outs, env_failures=self.pipeline.take_env_failures()),
             "trainer_wait_s": self.pipeline.trainer_wait_s,
             "lookahead": self.lookahead,
             "response_len_mean": sum(resp_lens) / len(resp_lens),
@@ -828,6 +844,8 @@ class GRPODriver:
 
     def shutdown(self) -> None:
         self.tracker.close()
+        if self.agent_loop is not None:
+            self.agent_loop.close()
         self._shutdown_engines({name: eng.handle for name, eng in self.engines.items()})
         for r in self.ranks:
             try:

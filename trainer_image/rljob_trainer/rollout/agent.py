@@ -65,6 +65,8 @@ class AgentOutput(base.GenerationOutput):
     tool_s: float = 0.0
     env_reward: float | None = None
     failure: str | None = None
+    episode_s: float = 0.0  # wall seconds from its first turn (or reset) to its end
+    wait_s: float = 0.0  # of which in tool and environment calls
 
     @property
     def generated_versions(self) -> tuple[int, ...]:
@@ -101,7 +103,13 @@ def hermes_system_prompt(schemas: Sequence[Mapping[str, Any]]) -> str:
 class ChatFormat:
     """How one tokenizer's chat template renders an agent's prompt and observation turns."""
 
-    def __init__(self, tokenizer: Any, tool_schemas: Sequence[Mapping[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        tool_schemas: Sequence[Mapping[str, Any]] = (),
+        *,
+        system_prompt: str | None = None,
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(
                 "rollout.agent needs a tokenizer with a chat template (tools are offered through it and "
@@ -109,6 +117,7 @@ class ChatFormat:
             )
         self.tokenizer = tokenizer
         self.tool_schemas = [dict(s) for s in tool_schemas]
+        self.system_prompt = system_prompt  # the data's (data.systemPrompt), before the tools'
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.eos_text = tokenizer.decode(sorted(self.eos_ids)[:1]) if self.eos_ids else ""
@@ -143,10 +152,11 @@ class ChatFormat:
 
     # ---- prompts -------------------------------------------------------------------------------
     def prompt_messages(self, text: str) -> list[dict[str, Any]]:
-        msgs = [{"role": "user", "content": text}]
+        system = [self.system_prompt] if self.system_prompt else []
         if self.system_tools:
-            msgs.insert(0, {"role": "system", "content": hermes_system_prompt(self.tool_schemas)})
-        return msgs
+            system.append(hermes_system_prompt(self.tool_schemas))
+        msgs = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+        return [*msgs, {"role": "user", "content": text}]
 
     def prompt_text(self, text: str) -> str:
         return self._render(self.prompt_messages(text), generation_prompt=True, tools=not self.system_tools)
@@ -216,7 +226,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: int = 0
-    engine: str | None = None  # the engine of its first turn: later turns go there (prefix cache)
+    engine: str | None = None  # the engine of its last turn: the next goes there (its prefix cache)
     turn_texts: list[str] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
@@ -228,6 +238,9 @@ class Episode:
     timing: dict[str, float] = field(default_factory=dict)
     finish_reason: str | None = None
     failure: str | None = None
+    started_s: float | None = None  # the pipeline's clock: first turn dispatched (or reset sent)
+    finished_s: float | None = None
+    wait_s: float = 0.0  # seconds in tool calls and environment calls (wall, as the pipeline waited)
 
     @property
     def context(self) -> list[int]:
@@ -252,8 +265,9 @@ class Episode:
             )
         if out.token_ids and len(out.logprobs) != len(out.token_ids):
             raise ValueError("an engine output without a log-prob per token cannot be trained on")
-        if self.engine is None:
-            self.engine = out.meta.get("engine")
+        # Its next turn goes where this one ran: the first turn's engine, or the one it continued on
+        # after that engine was lost.
+        self.engine = out.meta.get("engine") or self.engine
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.versions += out.versions
@@ -302,7 +316,10 @@ class Episode:
             "engine": self.engine,
             "version": min(generated, default=0),
             "interrupts": self.interrupts,
+            "generated_tokens": len(generated),
         }
+        # A failed episode (its environment did not answer) trains nothing: its mask is all 0.
+        mask = tuple(self.mask) if self.failure is None else (0,) * len(self.mask)
         return AgentOutput(
             prompt_token_ids=self.prompt_ids,
             token_ids=tuple(self.token_ids),
@@ -311,7 +328,7 @@ class Episode:
             meta=out_meta,
             token_versions=tuple(self.versions),
             timing=dict(self.timing),
-            loss_mask=tuple(self.mask),
+            loss_mask=mask,
             turns=self.turns,
             turn_texts=tuple(self.turn_texts),
             tool_calls=self.tool_calls,
@@ -319,6 +336,10 @@ class Episode:
             tool_s=self.tool_s,
             env_reward=self.env_reward,
             failure=self.failure,
+            episode_s=(self.finished_s - self.started_s)
+            if self.finished_s is not None and self.started_s is not None
+            else 0.0,
+            wait_s=self.wait_s,
         )
 
 
@@ -372,3 +393,78 @@ def decide_after_step(episode: Episode, *, done: bool, turn_cut: bool) -> Litera
     if episode.turns >= episode.max_turns:
         return Finish(FINISH_MAX_TURNS)
     return "observe"
+
+
+# ---- what the driver reads of a step's episodes ---------------------------------------------------
+class AllEpisodesFailedError(RuntimeError):
+    """Every episode of a step failed (the environment answers nothing): the job fails, naming why."""
+
+
+def completion_text(out: base.GenerationOutput, decode: Any) -> str:
+    """What the rewards read of an output: an episode's own turns (never the tool results or the
+    observations, so a tool cannot answer for the model), a single turn's text otherwise."""
+    if isinstance(out, AgentOutput):
+        return "\n".join(out.turn_texts)
+    return str(decode(list(out.token_ids), skip_special_tokens=True))
+
+
+def advantage_groups(outputs: Sequence[base.GenerationOutput], group_ids: Sequence[int]) -> list[int]:
+    """The group of each sample for the advantage: its prompt's, except a failed episode's, which is
+    a group of its own (advantage 0, `algos.compute_grpo_advantages`), so its placeholder reward never
+    moves its group's mean or std; it trains nothing either (its loss mask is 0)."""
+    fresh = max(group_ids, default=-1) + 1
+    out = []
+    for o, g in zip(outputs, group_ids, strict=True):
+        if getattr(o, "failure", None) is not None:
+            out.append(fresh)
+            fresh += 1
+        else:
+            out.append(g)
+    return out
+
+
+def check_not_all_failed(outputs: Sequence[base.GenerationOutput], step: int) -> None:
+    """Raise `AllEpisodesFailedError` when every episode of a step failed: an environment that fails
+    some episodes costs them, one that fails them all leaves nothing to train."""
+    failures = [o.failure for o in outputs if isinstance(o, AgentOutput) and o.failure is not None]
+    if outputs and len(failures) == len(outputs):
+        raise AllEpisodesFailedError(
+            f"every episode of step {step} failed ({len(failures)}): {failures[0]}; check the environment's "
+            "pods and logs, or raise environments[].timeoutS"
+        )
+
+
+def agent_step_metrics(
+    outputs: Sequence[base.GenerationOutput], *, env_failures: int = 0
+) -> dict[str, float]:
+    """A step's `agent/*` metrics (pure): turns, tool calls and their errors, tokens generated and
+    observed per episode, how episodes ended (a share per reason), failures, and the share of an
+    episode's wall time spent in tools and environment calls (`agent/tool_time_share`)."""
+    eps = [o for o in outputs if isinstance(o, AgentOutput)]
+    if not eps:
+        return {}
+    n = len(eps)
+    generated = [int(o.meta.get("generated_tokens", o.generated_tokens)) for o in eps]
+    wall = sum(o.episode_s for o in eps)
+    calls = sum(o.tool_calls for o in eps)
+    metrics = {
+        "agent/episodes": float(n),
+        "agent/turns_mean": sum(o.turns for o in eps) / n,
+        "agent/tool_calls": float(calls),
+        "agent/tool_calls_mean": calls / n,
+        "agent/tool_errors": float(sum(o.tool_errors for o in eps)),
+        "agent/tool_error_fraction": sum(o.tool_errors for o in eps) / calls if calls else 0.0,
+        "agent/generated_tokens_mean": sum(generated) / n,
+        "agent/observation_tokens_mean": sum(
+            len(o.token_ids) - g for o, g in zip(eps, generated, strict=True)
+        )
+        / n,
+        "agent/episode_s_mean": wall / n,
+        "agent/wait_s": sum(o.wait_s for o in eps),
+        "agent/tool_time_share": sum(o.wait_s for o in eps) / wall if wall > 0 else 0.0,
+        "agent/env_failures": float(env_failures),
+        "agent/failed_fraction": sum(1 for o in eps if o.failure is not None) / n,
+    }
+    for reason in FINISH_REASONS:
+        metrics[f"agent/finish/{reason}"] = sum(1 for o in eps if o.finish_reason == reason) / n
+    return metrics

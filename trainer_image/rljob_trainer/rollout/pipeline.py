@@ -25,11 +25,22 @@ trainer blocked waiting for rollouts since the last sync point (SyncReport.train
 
 The engines themselves (adding, dropping, waking, weights) belong to the driver, the pipeline's
 `EngineOwner`; the pipeline reads their `EngineState` and asks the owner to drop a lost one.
+
+Multi-turn episodes (`agent`, `rljob_trainer.rollout.agent`): with an `agent_loop.AgentLoop` every
+request of a job is an episode, and each of its turns is one dispatcher request (its prompt the
+episode's tokens so far, its budget the episode's tokens left), pinned to the engine of the turn
+before it (its prefix cache; `Dispatcher` drops the pin when that engine is gone and the episode
+continues on another from its tokens). Between turns the episode's tool calls or environment step
+run on the loop's worker threads (`side` futures) while `pump` goes on dispatching other turns and
+collecting training: tool and environment time overlaps training as generation does. An
+interrupted turn (partial rollouts) resumes as any request does; a turn lost with its engine is
+generated again from the episode's tokens. A job is complete once every episode is finished.
 Callers: `rljob_trainer.driver.GRPODriver`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -40,7 +51,7 @@ from typing import Any, Protocol
 from rljob_trainer import config as config_mod
 from rljob_trainer.data import sources
 from rljob_trainer.engines import base
-from rljob_trainer.rollout import buffer, dispatcher
+from rljob_trainer.rollout import agent, agent_loop, buffer, dispatcher, environment_client
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -87,6 +98,10 @@ class GenJob:
     finished: float | None = None  # last output received
     # Interrupted requests' tokens so far (partial rollouts), until the call that finishes them.
     partial: dict[int, base.GenerationOutput] = field(default_factory=dict)
+    # Multi-turn jobs: request i's episode (None until its environment's reset answered).
+    episodes: dict[int, agent.Episode | None] | None = None
+    # Multi-turn jobs: each prompt group's reset seed and task (environments).
+    tasks: list[tuple[int, str | None]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -100,6 +115,22 @@ class Call:
     engine: str
     ids: list[int]
     submitted: float
+
+
+@dataclass
+class SideCall:
+    """A multi-turn episode's call off the engines in flight: its tool calls, or an environment's
+    reset or step, on the agent loop's threads."""
+
+    kind: str  # "tools", "reset" or "step"
+    key: int
+    index: int
+    submitted: float
+    turn_cut: bool = False  # step: the turn stopped at the episode's budget
+
+
+# How often `pump` looks at tool and environment calls while it waits for the engines.
+SIDE_POLL_S = 0.02
 
 
 class EngineOwner(Protocol):
@@ -138,6 +169,7 @@ class RolloutPipeline:
         examples: Sequence[Any],
         encode_prompt: Callable[[str], list[int]],
         clock: Callable[[], float],
+        agent_loop: agent_loop.AgentLoop | None = None,
     ) -> None:
         self.cfg = cfg
         self.rt = runtime
@@ -149,6 +181,9 @@ class RolloutPipeline:
         self.clock = clock
         self.jobs: dict[int, GenJob] = {}
         self.calls: dict[Any, Call] = {}
+        self.agent = agent_loop
+        self.side: dict[concurrent.futures.Future[Any], SideCall] = {}
+        self.env_failures = 0  # episodes failed by their environment since the last step's metrics
         self._request_of: dict[int, tuple[int, int]] = {}
         self._sampler = sources.SamplerState()
         self._next_step = 1
@@ -182,6 +217,15 @@ class RolloutPipeline:
     def _queued_requests(self) -> bool:
         return any(self.dispatcher.is_queued(rid) for rid in self._request_of)
 
+    def take_env_failures(self) -> int:
+        """Episodes failed by their environment since the last call (metric agent/env_failures)."""
+        n, self.env_failures = self.env_failures, 0
+        return n
+
+    def _pending(self) -> bool:
+        """Work that will queue requests without an engine call: tool and environment calls."""
+        return bool(self.side)
+
     # ---- queue, admit, collect -------------------------------------------------------------------
     def fill(self) -> None:
         """Queue the requests of every step within the staleness bound that has not started."""
@@ -202,13 +246,143 @@ class RolloutPipeline:
             shuffle=self.cfg.data.shuffle,
         )
         group_ids = [p for p in range(len(idx)) for _ in range(g.group_size)]
-        requests = [self.encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
+        env = self.agent is not None and self.agent.environment
+        # With an environment the prompt is its reset's first observation, known once it answers.
+        requests = [[] if env else self.encode_prompt(self.examples[idx[p]].prompt) for p in group_ids]
         n = len(requests)
         seeds = [sample_seed(g.seed, step, seed_offset + i) for i in range(n)]
         job = GenJob(step, idx, self._sampler, group_ids, requests, seeds, [None] * n)
-        for i, rid in enumerate(self.dispatcher.submit(n)):
-            self._request_of[rid] = (step if key is None else key, i)
+        if self.agent is None:
+            for i, rid in enumerate(self.dispatcher.submit(n)):
+                self._request_of[rid] = (step if key is None else key, i)
+            return job
+        job.episodes = {}
+        job.tasks = [
+            (agent_loop.reset_seed(g.seed, step, seed_offset + p), self.examples[idx[p]].prompt)
+            for p in range(len(idx))
+        ]
+        job.started = self.clock() if env else None
+        for i in range(n):
+            self._start_episode(job, step if key is None else key, i)
         return job
+
+    # ---- multi-turn episodes -----------------------------------------------------------------------
+    def _start_episode(self, job: GenJob, key: int, i: int) -> None:
+        """Episode i of a job from its start: its environment's reset, or its first turn queued."""
+        loop = self.agent
+        assert loop is not None and job.episodes is not None
+        if loop.environment:
+            job.episodes[i] = None
+            seed, task = job.tasks[job.group_ids[i]]
+            self.side[loop.submit_reset(seed, task)] = SideCall("reset", key, i, self.clock())
+            return
+        ep = job.episodes[i] = loop.new_episode(job.prompts[i])
+        self._queue_turn(key, i, ep)
+
+    def _episode(self, key: int, i: int) -> agent.Episode:
+        episodes = self.jobs[key].episodes
+        ep = episodes.get(i) if episodes is not None else None
+        if ep is None:
+            raise RuntimeError(f"request {i} of step {key} has no episode")
+        return ep
+
+    def _queue_turn(self, key: int, i: int, ep: agent.Episode) -> None:
+        """The episode's next turn, pinned to the engine of its last one."""
+        (rid,) = self.dispatcher.submit(1, engine=ep.engine)
+        self._request_of[rid] = (key, i)
+
+    def _finish_episode(self, key: int, i: int) -> None:
+        job, ep = self.jobs[key], self._episode(key, i)
+        now = self.clock()
+        ep.finished_s = now
+        job.outputs[i] = ep.output()
+        if job.complete:
+            job.finished = now
+
+    def _after_turn(self, key: int, i: int, turn: base.GenerationOutput) -> None:
+        """A finished turn: the episode ends, or its tools or environment step run on the loop's threads."""
+        loop, ep = self.agent, self._episode(key, i)
+        assert loop is not None
+        action = loop.after_turn(ep, turn)
+        now = self.clock()
+        if isinstance(action, agent.Finish):
+            ep.finish(action.reason)
+            self._finish_episode(key, i)
+        elif isinstance(action, agent.CallTools):
+            self.side[loop.submit_tools(action.calls)] = SideCall("tools", key, i, now)
+        else:
+            assert ep.env_episode_id is not None
+            cut = turn.finish_reason == "length"
+            self.side[loop.submit_step(ep.env_episode_id, action.action)] = SideCall("step", key, i, now, cut)
+
+    def _collect_side(self, fut: concurrent.futures.Future[Any]) -> None:
+        """A tool or environment call that finished: the episode goes on, or ends (its environment
+        failed: the episode fails, counted, never the job)."""
+        call = self.side.pop(fut)
+        job = self.jobs.get(call.key)
+        if job is None or job.episodes is None:
+            return  # its job was dropped meanwhile
+        loop = self.agent
+        assert loop is not None
+        now = self.clock()
+        if call.kind == "tools":
+            ep = self._episode(call.key, call.index)
+            ep.wait_s += now - call.submitted
+            if loop.observe_tools(ep, fut.result()):
+                self._queue_turn(call.key, call.index, ep)
+            else:
+                self._finish_episode(call.key, call.index)
+            return
+        result, _ = fut.result()
+        if call.kind == "reset":
+            if not isinstance(result, environment_client.EnvironmentCallError):
+                try:
+                    ep = loop.start_from_reset(result)
+                except environment_client.EnvironmentCallError as e:
+                    result = e
+            if isinstance(result, environment_client.EnvironmentCallError):
+                # Nothing to train on: a placeholder the loss ignores (mask 0), failed.
+                eos = next(iter(sorted(loop.format.eos_ids)), 0)
+                ep = loop.new_episode([eos])
+                ep.add_observation([eos])
+                job.episodes[call.index] = ep
+                self._fail_episode(call.key, call.index, result, call.submitted)
+                return
+            ep.started_s, ep.wait_s = call.submitted, now - call.submitted
+            job.episodes[call.index] = ep
+            job.prompts[call.index] = list(ep.prompt_ids)
+            self._queue_turn(call.key, call.index, ep)
+            return
+        ep = self._episode(call.key, call.index)
+        ep.wait_s += now - call.submitted
+        if isinstance(result, environment_client.EnvironmentCallError):
+            self._fail_episode(call.key, call.index, result, None)
+        elif loop.observe_step(ep, result, turn_cut=call.turn_cut):
+            self._queue_turn(call.key, call.index, ep)
+        else:
+            self._finish_episode(call.key, call.index)
+
+    def _fail_episode(
+        self, key: int, i: int, error: environment_client.EnvironmentCallError, started: float | None
+    ) -> None:
+        ep = self._episode(key, i)
+        if ep.started_s is None:
+            ep.started_s = started
+        log.warning("step %s: episode %d failed: %s", key, i, error)
+        self.env_failures += 1
+        ep.finish(agent.FINISH_FAILED, failure=f"{error.reason}: {error}")
+        self._finish_episode(key, i)
+
+    def _wait_side(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a tool or environment call, and collect every one that finished."""
+        if not self.side:
+            return
+        done, _ = concurrent.futures.wait(
+            list(self.side), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        for fut in done:
+            if fut in self.side:
+                self._collect_side(fut)
 
     def extra_job(self, step: int, prompts: int, round_index: int) -> GenJob:
         """Dynamic sampling's refill (`rljob_trainer.train.dynamic_sampling`): `prompts` more prompts from the
@@ -253,20 +427,31 @@ class RolloutPipeline:
         where = [self._request_of[r] for r in ids]
         prefixes = [self.jobs[st].partial.get(i) for st, i in where]
         prompts, budgets, seeds = [], [], []
+        now = self.clock()
         for (st, i), prefix in zip(where, prefixes, strict=True):
             job = self.jobs[st]
             have = prefix.token_ids if prefix is not None else ()
-            prompts.append([*job.prompts[i], *have])
-            budgets.append(cap - len(have))
-            seeds.append(resumed_seed(job.seeds[i], len(have)) if have else job.seeds[i])
+            if job.episodes is None:
+                prompts.append([*job.prompts[i], *have])
+                budgets.append(cap - len(have))
+                seeds.append(resumed_seed(job.seeds[i], len(have)) if have else job.seeds[i])
+                continue
+            # A turn: the episode's tokens so far, the tokens it has left; its own seed per turn.
+            ep = self._episode(st, i)
+            ep.started_s = now if ep.started_s is None else ep.started_s
+            prompts.append([*ep.context, *have])
+            budgets.append(ep.remaining - len(have))
+            seeds.append(resumed_seed(job.seeds[i], len(ep.token_ids) + len(have)))
+        agent_turns = any(self.jobs[st].episodes is not None for st, _ in where)
         sampling = base.SamplingSettings(
             temperature=g.temperature,
             top_p=g.top_p,
             max_tokens=cap,
             seeds=tuple(seeds),
-            max_tokens_per_request=tuple(budgets) if any(p is not None for p in prefixes) else None,
+            max_tokens_per_request=tuple(budgets)
+            if agent_turns or any(p is not None for p in prefixes)
+            else None,
         )
-        now = self.clock()
         for st, _ in where:
             if self.jobs[st].started is None:
                 self.jobs[st].started = now
@@ -286,11 +471,17 @@ class RolloutPipeline:
             return
         now = self.clock()
         finished, interrupted = [], []
+        turns: list[tuple[int, int, base.GenerationOutput]] = []
         for rid, out in zip(call.ids, outs, strict=True):
             st, i = self._request_of[rid]
             job = self.jobs[st]
             merged = base.continue_output(job.partial.pop(i, None), out)
-            if out.aborted and len(merged.token_ids) < self.cfg.lengths.max_response_tokens:
+            budget = (
+                self._episode(st, i).remaining
+                if job.episodes is not None
+                else self.cfg.lengths.max_response_tokens
+            )
+            if out.aborted and len(merged.token_ids) < budget:
                 if merged.token_ids:  # resumed from these tokens once the engines serve again
                     job.partial[i] = merged
                 interrupted.append(rid)
@@ -299,12 +490,17 @@ class RolloutPipeline:
                 merged = dataclasses.replace(merged, finish_reason="length")
             del self._request_of[rid]
             finished.append(rid)
+            if job.episodes is not None:
+                turns.append((st, i, merged))  # after the dispatcher knows the turn is done
+                continue
             job.outputs[i] = merged
             if job.complete:
                 job.finished = now
         self.dispatcher.finish(finished)
         self.dispatcher.requeue(interrupted)
         self.interrupted += len(interrupted)
+        for st, i, turn in turns:
+            self._after_turn(st, i, turn)
         eng = self.engines.get(call.engine)
         if eng is not None and eng.draining:
             self.owner.release_drained()
@@ -325,6 +521,9 @@ class RolloutPipeline:
             if admit and current is not None:
                 self._admit(current)
             if not self.calls and not also:
+                if self._pending():  # only tools or environments at work: wait for one of them
+                    self._wait_side(1.0)
+                    continue
                 if not (admit and self._queued_requests()):
                     return
                 self._await_engine()
@@ -332,9 +531,12 @@ class RolloutPipeline:
             now = self.clock()
             oldest = min((c.submitted for c in self.calls.values()), default=now)
             wait = max(0.0, min(timeout - (now - oldest), 1.0)) if self.calls else 1.0
-            for fut in self.rt.wait_any([*self.calls, *also], wait):
+            if self._pending():  # a tool result may queue a turn an idle engine can take
+                wait = min(wait, SIDE_POLL_S)
+            for fut in self.rt.wait_any([*self.calls, *also], wait) if (self.calls or also) else ():
                 if fut in self.calls:
                     self._collect(fut)
+            self._wait_side(0.0)
             now = self.clock()
             for fut, call in list(self.calls.items()):
                 if fut in self.calls and now - call.submitted > timeout:
@@ -421,6 +623,12 @@ class RolloutPipeline:
                 return job
             log.warning("step %s: %d rollouts beyond staleness %d, regenerating", step, len(stale), bound)
             self.regenerated += len(stale)
+            if job.episodes is not None:  # an episode starts over (its environment too)
+                for i in stale:
+                    job.outputs[i] = None
+                    job.partial.pop(i, None)
+                    self._start_episode(job, step, i)
+                continue
             for i, rid in zip(stale, self.dispatcher.submit(len(stale)), strict=True):
                 job.outputs[i] = None
                 job.partial.pop(i, None)
@@ -437,12 +645,17 @@ def rollout_step_metrics(outputs: Sequence[base.GenerationOutput], trainer_versi
 
     from rljob_trainer.train import algos
 
-    versions = torch.tensor([v for o in outputs for v in o.versions], dtype=torch.long)
+    # Generated tokens only: an episode's observation tokens were not sampled (`agent.loss_mask_of`).
+    masks = [agent.loss_mask_of(o) for o in outputs]
+    versions = torch.tensor(
+        [v for o, m in zip(outputs, masks, strict=True) for v, k in zip(o.versions, m, strict=True) if k],
+        dtype=torch.long,
+    )
     interrupted = torch.tensor([bool(o.meta.get("interrupts", 0)) for o in outputs], dtype=torch.bool)
     metrics = algos.compute_token_staleness_metrics(versions, interrupted, trainer_version=trainer_version)
     out = {k: float(v.item()) for k, v in metrics.items()}
     out["rollout/prompt_tokens"] = float(sum(len(o.prompt_token_ids) for o in outputs))
-    out["rollout/generated_tokens"] = float(sum(len(o.token_ids) for o in outputs))
+    out["rollout/generated_tokens"] = float(sum(sum(m) for m in masks))
     out["rollout/generation_engines"] = float(len({o.meta.get("engine") for o in outputs}))
     for key in base.TIMING_KEYS:
         if outputs and all(key in o.timing for o in outputs):

@@ -1,0 +1,338 @@
+"""Multi-turn episodes in the rollout pipeline (rljob_trainer.rollout.pipeline with an AgentLoop).
+
+A scripted runtime stands in for Ray and two engines: each call generates, `TOKENS_PER_POLL` tokens
+per `wait_any` poll, the text its prompt asks for (a calculator call on a first turn, an answer once
+a tool result is in the prompt), ends it with EOS as an engine stops on it, or stops at the
+request's budget; every token carries the engine's version and a log-prob that marks the engine and
+the token's place. It obeys the engines' contract (the prompt as given, the per-request budget,
+interrupt and lost-engine rules), so the pipeline's episode logic runs as it does on real engines
+(those are in tests/integration/test_agent_*.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from agent_chat import char_tokenizer
+
+from rljob_trainer import config
+from rljob_trainer.data import sources
+from rljob_trainer.engines import base
+from rljob_trainer.model import modeling
+from rljob_trainer.rollout import agent, agent_loop, dispatcher, pipeline, tools
+
+TOK = char_tokenizer()
+CALL = tools.format_tool_call(tools.ToolCall("calc", {"expression": "6*7"}))
+
+
+TOKENS_PER_POLL = 8
+
+
+class EngineLost(RuntimeError):
+    pass
+
+
+def _cfg(*, budget: int = 400, max_turns: int = 3, **grpo: Any) -> config.TrainerConfig:
+    return config.parse_config(
+        {
+            "model": {
+                "name": "t",
+                "source": "tiny",
+                "hfConfig": modeling.tiny_hf_config(len(TOK)),
+                "tokenizer": "builtin-char",
+            },
+            "lengths": {"maxPromptTokens": 512, "maxResponseTokens": budget},
+            "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": 5, "maxStaleness": 1, **grpo},
+            "rollout": {"kind": "transformers", "sharedEngines": 0, "dedicatedEngines": 2},
+            "data": {"builtin": "toy-arithmetic", "chatTemplate": True},
+            "agent": {
+                "maxTurns": max_turns,
+                "tools": [{"name": "calc", "kind": "calculator", "description": "Arithmetic."}],
+            },
+        }
+    )
+
+
+def script(prompt_text: str) -> str:
+    """What the scripted model writes: a calculator call until a tool result is in its context."""
+    return "The answer is 42." if "tool: " in prompt_text else CALL
+
+
+@dataclass
+class Call:
+    engine: Engine
+    prompts: list[list[int]]
+    sampling: base.SamplingSettings
+    version: int
+    targets: list[list[int]]
+    tokens: list[list[int]] = field(default_factory=list)
+    done: bool = False
+    aborted: bool = False
+    lost: bool = False
+
+    def outputs(self) -> list[base.GenerationOutput]:
+        if self.lost:
+            raise EngineLost(f"engine {self.engine.name} died")
+        outs = []
+        for i, (p, t) in enumerate(zip(self.prompts, self.tokens, strict=True)):
+            target = self.targets[i]
+            if len(t) == len(target):
+                reason = "stop" if target[-1] == TOK.eos_token_id else "length"
+            else:
+                reason = base.ABORTED
+            start = len(p)
+            lps = tuple(-(self.engine.mark + 0.001 * (start + k)) for k in range(len(t)))
+            meta = {"engine": self.engine.name, "version": self.version}
+            outs.append(base.GenerationOutput(tuple(p), tuple(t), lps, reason, meta))
+        return outs
+
+
+@dataclass
+class Engine:
+    name: str
+    mark: float  # log-probs of this engine's tokens are -(mark + 0.001 * position)
+    version: int = 0
+    paused: bool = False
+    lose_on_call: int | None = None  # the call number at which this engine dies
+    calls: list[Call] = field(default_factory=list)
+
+
+class ScriptedRuntime:
+    def __init__(self) -> None:
+        self.futures: dict[int, Call] = {}
+        self.submitted_while_tools_ran = 0
+        self.pipe: pipeline.RolloutPipeline | None = None
+
+    def submit(self, handle: Engine, method: str, *args: Any) -> int:
+        assert method == "generate"
+        prompts, sampling = args
+        targets = []
+        for i, p in enumerate(prompts):
+            ids = [*TOK.encode(script(TOK.decode(p)), add_special_tokens=False), TOK.eos_token_id]
+            targets.append(ids[: sampling.budget(i)])
+        call = Call(handle, prompts, sampling, handle.version, targets, [[] for _ in prompts])
+        if handle.paused:
+            call.done = call.aborted = True
+        if handle.lose_on_call is not None and len(handle.calls) == handle.lose_on_call:
+            call.done = call.lost = True
+        handle.calls.append(call)
+        if self.pipe is not None and any(not f.done() for f in self.pipe.side):
+            self.submitted_while_tools_ran += 1
+        fut = len(self.futures)
+        self.futures[fut] = call
+        return fut
+
+    def submit_control(self, handle: Engine, method: str) -> str:
+        if method == "interrupt":
+            handle.paused = True
+            for call in handle.calls:
+                if not call.done:
+                    call.done = call.aborted = True
+        else:
+            handle.paused = False
+        return method
+
+    def wait_any(self, futures: list[Any], timeout_s: float | None = None) -> list[Any]:
+        out = []
+        for fut in futures:
+            call = self.futures.get(fut)
+            if call is None:
+                continue
+            if not call.done:
+                for t, target in zip(call.tokens, call.targets, strict=True):
+                    t.extend(target[len(t) : len(t) + TOKENS_PER_POLL])
+                call.done = all(len(t) == len(g) for t, g in zip(call.tokens, call.targets, strict=True))
+            if call.done:
+                out.append(fut)
+        if not out and timeout_s:
+            time.sleep(min(timeout_s, 0.01))
+        return out
+
+    def get(self, fut: Any) -> Any:
+        return None if isinstance(fut, str) else self.futures[fut].outputs()
+
+    def lost_errors(self) -> tuple[type[BaseException], ...]:
+        return (EngineLost,)
+
+
+class Owner:
+    weights_version = 0
+
+    def __init__(self) -> None:
+        self.pipe: pipeline.RolloutPipeline | None = None
+        self.dropped: list[str] = []
+
+    def drop_engine(self, name: str, *, lost: bool = False) -> None:
+        assert self.pipe is not None
+        self.dropped.append(name)
+        del self.pipe.engines[name]
+        self.pipe.dispatcher.remove_engine(name)
+        self.pipe.forget_engine(name)
+
+    def release_drained(self) -> None: ...
+    def prepare_generation(self) -> None: ...
+    def sleep_shared_engines(self) -> None: ...
+    def reconcile_dedicated(self) -> None: ...
+
+
+def _pipeline(cfg: config.TrainerConfig, **loop_kwargs: Any):
+    dispatch = dispatcher.Dispatcher(time.monotonic)
+    a, b = Engine("a", mark=1.0), Engine("b", mark=2.0)
+    engines = {
+        e.name: pipeline.EngineState(e.name, e, colocated=False, pod_index=i) for i, e in enumerate((a, b))
+    }
+    for name in engines:
+        dispatch.set_engine(name, awake=True, capacity=64)
+    rt = ScriptedRuntime()
+    owner = Owner()
+    loop = agent_loop.AgentLoop(cfg, TOK, **loop_kwargs)
+    pipe = pipeline.RolloutPipeline(
+        cfg,
+        rt,
+        dispatch,
+        engines,
+        owner,
+        examples=sources.load_examples(cfg.data),
+        encode_prompt=loop.prompt_ids,
+        clock=time.monotonic,
+        agent_loop=loop,
+    )
+    owner.pipe = rt.pipe = pipe
+    pipe.start_at(sources.SamplerState(), 1)
+    pipe.fill()
+    return pipe, (a, b), rt, loop
+
+
+def _turn_prompts(engine: Engine) -> list[str]:
+    return [TOK.decode(p) for c in engine.calls for p in c.prompts]
+
+
+def test_episodes_call_the_tool_answer_and_keep_every_engine_token() -> None:
+    pipe, (a, b), _, loop = _pipeline(_cfg())
+    job = pipe.wait_for_batch(1)
+    assert job.complete
+    for out in job.outputs:
+        assert isinstance(out, agent.AgentOutput)
+        assert out.turns == 2 and out.tool_calls == 1 and out.tool_errors == 0
+        assert out.finish_reason == agent.FINISH_ANSWERED
+        text = TOK.decode(out.token_ids)
+        assert text.startswith(CALL) and "\ntool: 42\nassistant: The answer is 42." in text
+        # The loss trains the engine's own tokens: each turn's ids and log-probs as generated.
+        gen = [t for t, m in zip(out.token_ids, out.loss_mask, strict=True) if m]
+        assert TOK.decode(gen) == CALL + TOK.eos_token + "The answer is 42." + TOK.eos_token
+        engine = a if out.meta["engine"] == "a" else b
+        start = len(out.prompt_token_ids)
+        for k, (lp, m) in enumerate(zip(out.logprobs, out.loss_mask, strict=True)):
+            assert lp == (pytest.approx(-(engine.mark + 0.001 * (start + k))) if m else 0.0)
+        assert sum(1 - m for m in out.loss_mask) == len("\ntool: 42\nassistant: ")
+        assert agent.completion_text(out, TOK.decode) == CALL + "\nThe answer is 42."
+    metrics = agent.agent_step_metrics(job.outputs)
+    assert metrics["agent/turns_mean"] == 2 and metrics["agent/finish/stop"] == 1.0
+    assert 0.0 <= metrics["agent/tool_time_share"] < 1.0
+    loop.close()
+
+
+def test_every_later_turn_goes_to_the_engine_of_the_first() -> None:
+    pipe, (a, b), _, loop = _pipeline(_cfg())
+    pipe.pump(lambda: pipe.jobs[1].complete and pipe.jobs[2].complete, current=1)
+    for engine in (a, b):
+        firsts = [p for p in _turn_prompts(engine) if "tool: " not in p]
+        seconds = [p for p in _turn_prompts(engine) if "tool: " in p]
+        # Each episode it began came back to it for its next turn, and only those did.
+        began = Counter(p.split("tool: ")[0].removesuffix(CALL + TOK.eos_token + "\n") for p in seconds)
+        assert firsts and began == Counter(firsts)
+    loop.close()
+
+
+def test_an_episode_whose_engine_is_lost_continues_on_the_other_from_its_tokens() -> None:
+    pipe, (a, _b), _, loop = _pipeline(_cfg())
+    a.lose_on_call = 1  # a serves the first turns, then dies on the call of its episodes' next turns
+    job = pipe.wait_for_batch(1)
+    assert pipe.owner.dropped == ["a"]
+    moved = [
+        o for o in job.outputs if TOK.decode(o.token_ids).count("tool: 42") == 1 and o.meta["engine"] == "b"
+    ]
+    assert len(moved) == 4  # every episode finished on b, the ones a began among them
+    began_on_a = [
+        o
+        for o in moved
+        if any(lp == pytest.approx(-(1.0 + 0.001 * len(o.prompt_token_ids))) for lp in o.logprobs[:1])
+    ]
+    assert began_on_a  # their first turn's tokens are a's, kept as a generated them
+    loop.close()
+
+
+def test_tools_run_beside_the_engines_and_a_slow_one_delays_only_its_episode() -> None:
+    pipe, (_a, _b), rt, loop = _pipeline(_cfg())
+    run, count, lock = loop.toolbox.run, [0], threading.Lock()
+    running, most = [0], [0]
+
+    def timed(call: tools.ToolCall) -> tools.ToolResult:  # every other tool call takes 0.4 s
+        with lock:
+            count[0] += 1
+            slow = count[0] % 2 == 0
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.4 if slow else 0.01)
+        with lock:
+            running[0] -= 1
+        return run(call)
+
+    loop.toolbox.run = timed  # type: ignore[method-assign]
+    job = pipe.wait_for_batch(1)
+    assert job.complete and all(o.turns == 2 for o in job.outputs)
+    # The fast episodes' next turns were dispatched while the slow tools still ran, and the calls
+    # ran at once on the loop's threads, not one after another.
+    assert rt.submitted_while_tools_ran >= 1
+    assert most[0] >= 2
+    waits = sorted(o.wait_s for o in job.outputs)
+    assert waits[0] < 0.3 < waits[-1]
+    loop.close()
+
+
+def test_the_budget_and_the_turn_limit_end_episodes() -> None:
+    pipe, _, _, loop = _pipeline(_cfg(max_turns=1))
+    job = pipe.wait_for_batch(1)
+    assert {o.finish_reason for o in job.outputs} == {agent.FINISH_MAX_TURNS}
+    assert all(o.turns == 1 and o.tool_calls == 0 for o in job.outputs)
+    loop.close()
+    pipe, _, _, loop = _pipeline(_cfg(budget=len(CALL) + 10))
+    job = pipe.wait_for_batch(1)
+    # The tool result and the next turn's header do not fit with a token to spare: it ends there.
+    assert {o.finish_reason for o in job.outputs} == {agent.FINISH_LENGTH}
+    assert all(len(o.token_ids) <= len(CALL) + 10 for o in job.outputs)
+    loop.close()
+
+
+def test_a_turn_interrupted_at_a_sync_resumes_and_keeps_each_tokens_version() -> None:
+    cfg = _cfg(maxStaleness=2)
+    cfg.rollout.partial_rollouts = True
+    pipe, (a, b), rt, loop = _pipeline(cfg)
+    pipe.pump(lambda: pipe.jobs[2].complete, current=1)  # steps 1 and 2
+    pipe.owner.weights_version = 1
+    pipe.fill()  # step 3 may start: it runs ahead of the step the trainer takes next
+    pipe._admit(2)
+    futs = list(pipe.calls)
+    assert any(pipe._request_of[r][0] == 3 for f in futs for r in pipe.calls[f].ids)
+    rt.wait_any(futs)  # one more token of each turn in flight, then the sync point
+    interrupted = pipe.quiesce(["a", "b"])
+    assert set(interrupted) == {"a", "b"} and pipe.interrupted > 0
+    a.version = b.version = 1
+    pipe.resume_engines(interrupted)
+    pipe.pump(lambda: pipe.jobs[3].complete, current=3)
+    resumed = [o for o in pipe.jobs[3].outputs if o.meta.get("interrupts")]
+    assert resumed
+    for o in resumed:
+        gen = [v for v, m in zip(o.token_versions, o.loss_mask, strict=True) if m]
+        assert gen == sorted(gen) and gen[0] == 0 and gen[-1] == 1  # each token its own version
+        switch, first_turn = gen.index(1), len(TOK.encode(CALL, add_special_tokens=False)) + 1
+        assert switch not in (0, first_turn)  # the sync fell inside a turn, which went on after it
+        assert o.meta["version"] == 0  # the oldest: what the staleness bound reads
+        assert TOK.decode(o.token_ids).startswith(CALL + TOK.eos_token)  # one call, across the sync
+        assert o.turns == 2
+    loop.close()

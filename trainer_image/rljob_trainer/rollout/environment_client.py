@@ -1,0 +1,157 @@
+"""The trainer's client of an environment server (`spec.environments[]`, trainer config `environments`).
+
+Role: the reset/step protocol over HTTP (docs/contracts.md, the operator runs the servers as pods
+behind a Service inside the job's NetworkPolicy):
+  POST /reset {"seed": int, "task": str?}          -> {"episode_id": str, "observation": ..., "info": {}}
+  POST /step  {"episode_id": str, "action": str}   -> {"observation": ..., "reward": float,
+                                                       "done": bool, "info": {}}
+  GET  /healthz                                     -> 200 once it serves
+`reset` gives the episode's first observation (its prompt), each model turn's text is a `step`'s
+action. A call that does not answer within the environment's `timeoutS`, answers an HTTP error or an
+answer of another shape raises an `EnvironmentCallError` subclass naming the environment, the call and
+why: the pipeline fails that episode (counted, `agent/env_failures`), never the job.
+Callers: `rljob_trainer.rollout.pipeline` (on its worker threads), tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob_trainer import config as config_mod
+
+# The most an answer may hold (an observation is text for a model's context, not a file).
+MAX_ANSWER_BYTES = 4 << 20
+
+
+class EnvironmentCallError(RuntimeError):
+    """A reset or step that failed; `reason` is one of timeout, unreachable, http_error, bad_answer."""
+
+    reason = "error"
+
+
+class EnvironmentTimeout(EnvironmentCallError):
+    reason = "timeout"
+
+
+class EnvironmentUnreachable(EnvironmentCallError):
+    reason = "unreachable"
+
+
+class EnvironmentHTTPError(EnvironmentCallError):
+    reason = "http_error"
+
+
+class EnvironmentBadAnswer(EnvironmentCallError):
+    reason = "bad_answer"
+
+
+@dataclass(frozen=True)
+class Reset:
+    episode_id: str
+    observation: Any
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    observation: Any
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_reward(self) -> float | None:
+        """The episode's reward when `done` gives one (`info.final_reward`), which replaces the sum of
+        the step rewards."""
+        value = self.info.get("final_reward") if self.done else None
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def parse_reset(data: Any, where: str) -> Reset:
+    """A /reset answer, checked (pure)."""
+    if not isinstance(data, dict) or not isinstance(data.get("episode_id"), str) or "observation" not in data:
+        raise EnvironmentBadAnswer(f"{where}: the answer needs a string episode_id and an observation")
+    return Reset(data["episode_id"], data["observation"], _info(data, where))
+
+
+def parse_step(data: Any, where: str) -> Step:
+    """A /step answer, checked (pure): a finite number `reward` and a boolean `done`."""
+    if not isinstance(data, dict):
+        raise EnvironmentBadAnswer(f"{where}: the answer must be a JSON object")
+    reward, done = data.get("reward", 0.0), data.get("done")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvironmentBadAnswer(f"{where}: reward must be a finite number, got {reward!r}")
+    if not isinstance(done, bool):
+        raise EnvironmentBadAnswer(f"{where}: done must be true or false, got {done!r}")
+    if not done and "observation" not in data:
+        raise EnvironmentBadAnswer(f"{where}: an episode that is not done needs an observation")
+    return Step(data.get("observation", ""), float(reward), done, _info(data, where))
+
+
+def _info(data: dict[str, Any], where: str) -> dict[str, Any]:
+    info = data.get("info", {})
+    if not isinstance(info, dict):
+        raise EnvironmentBadAnswer(f"{where}: info must be a JSON object")
+    return info
+
+
+class EnvironmentClient:
+    """One environment server of the job, called from any thread (each call its own connection)."""
+
+    def __init__(self, settings: config_mod.EnvironmentSettings) -> None:
+        self.settings = settings
+        self.base_url = settings.url.rstrip("/")
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        where = f"environment {self.settings.name} {method} {path}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+            method=method,
+        )
+        timeout = self.settings.timeout_s
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read(MAX_ANSWER_BYTES + 1)
+        except urllib.error.HTTPError as e:
+            detail = e.read(300).decode(errors="replace")
+            raise EnvironmentHTTPError(f"{where}: HTTP {e.code} {detail}".rstrip()) from None
+        except TimeoutError:
+            raise EnvironmentTimeout(f"{where}: no answer within {timeout:g} s (timeoutS)") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError):
+                raise EnvironmentTimeout(f"{where}: no answer within {timeout:g} s (timeoutS)") from None
+            raise EnvironmentUnreachable(f"{where}: unreachable at {self.base_url}: {reason}") from None
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise EnvironmentBadAnswer(f"{where}: the answer is over {MAX_ANSWER_BYTES} bytes")
+        if method == "GET":
+            return raw
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise EnvironmentBadAnswer(f"{where}: the answer is not JSON") from None
+
+    def reset(self, seed: int, task: str | None = None) -> Reset:
+        body: dict[str, Any] = {"seed": int(seed)}
+        if task is not None:
+            body["task"] = task
+        return parse_reset(self._call("POST", "/reset", body), f"environment {self.settings.name} reset")
+
+    def step(self, episode_id: str, action: str) -> Step:
+        data = self._call("POST", "/step", {"episode_id": episode_id, "action": action})
+        return parse_step(data, f"environment {self.settings.name} step")
+
+    def healthy(self) -> bool:
+        try:
+            self._call("GET", "/healthz")
+        except EnvironmentCallError:
+            return False
+        return True
