@@ -354,3 +354,42 @@ def test_a_lora_adapter_arrives_through_add_lora_and_the_engine_serves_the_train
         assert isinstance(policy, peft.PeftModel)
     finally:
         engine.shutdown()
+
+
+_HOLDER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from trainer_configs import vllm_config
+from rljob_trainer.engines import vllm_engine
+
+if __name__ == "__main__":  # vLLM spawns its processes: they import this module again
+    cfg = vllm_config(distributed={{"numTrainerRanks": 1, "launcher": "local"}})
+    engine = vllm_engine.VLLMEngine(cfg, name="held", colocated=False)
+    engine.load()
+    print("started", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_an_engine_core_dies_with_a_front_end_killed_without_shutting_it_down(tmp_path) -> None:
+    """A Ray actor killed (SIGKILL) never runs AsyncLLM.shutdown(): vLLM's workers follow their
+    EngineCore, and the EngineCore now follows its parent (`platform.die_with_parent`, run in every
+    vLLM process by the rljob vLLM plugin), instead of holding its memory until the pod goes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER.format(tests=str(Path(__file__).parent)))
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert any(line.strip() == "started" for line in holder.stdout), "the engine never started"
+        children = psutil.Process(holder.pid).children(recursive=True)
+        cores = [p for p in children if p.name().startswith("VLLM::EngineCor")]
+        assert len(cores) == 1
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"vLLM processes outlived their killed front end: {alive}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -270,6 +271,7 @@ class Host:
             "node_id": ctx.get_node_id(),
             "accelerator_ids": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
             "placement_group": pg.id.hex() if pg is not None else None,
+            "pid": os.getpid(),  # the actor's process (an engine's vLLM processes are its children)
         }
 
 
@@ -298,7 +300,7 @@ class LocalRuntime:
 
     def where(self, handle: Any) -> Any:
         del handle
-        return _Done({"node_id": "local", "accelerator_ids": {}, "placement_group": None})
+        return _Done({"node_id": "local", "accelerator_ids": {}, "placement_group": None, "pid": os.getpid()})
 
     def create_engine(self, name: str, *, colocated: bool, pod_index: int | None) -> Any:
         del pod_index

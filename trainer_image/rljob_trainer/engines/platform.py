@@ -6,19 +6,25 @@ asks the same object (`probe`) and records the answer (`EngineCapabilities`) whe
 telemetry and the status read it: whether a shared engine can really sleep or must be shut down and
 started again, which weight paths can work, which head sizes the attention backend takes.
 
-`request_amx_permission` is registered as a vLLM general plugin (pyproject's
-`vllm.general_plugins` entry point), which vLLM loads in every one of its processes (the front end,
-EngineCore, each worker): on Linux x86-64 a process must ask the kernel for the AMX tile state
-(`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) before its first AMX instruction, and vLLM's
-CPU attention kernels use AMX for bf16 without asking (a tiny model dies with SIGILL at `tilezero`;
-a large one gets the permission by chance from oneDNN first). Callers: vLLM (the plugin),
-`engines.vllm_engine`, the driver, tests.
+`setup_vllm_process` is registered as a vLLM general plugin (pyproject's `vllm.general_plugins`
+entry point), which vLLM loads in every one of its processes (the front end, EngineCore, each
+worker). It does two things vLLM does not:
+- `request_amx_permission`: on Linux x86-64 a process must ask the kernel for the AMX tile state
+  (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) before its first AMX instruction, and vLLM's
+  CPU attention kernels use AMX for bf16 without asking (a tiny model dies with SIGILL at
+  `tilezero`; a large one gets the permission by chance from oneDNN first);
+- `die_with_parent`: vLLM's workers watch their EngineCore through a pipe and exit with it, but the
+  EngineCore outlives a front end killed without shutting it down (a Ray actor killed, a driver
+  SIGKILLed), holding gigabytes until the pod goes; the processes vLLM starts ask Linux to kill them
+  when their parent exits.
+Callers: vLLM (the plugin), `engines.vllm_engine`, the driver, tests.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform as host_platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,6 +41,36 @@ _SYS_ARCH_PRCTL = 158  # x86-64 syscall number
 # the installed vLLM by `cpu_attention_head_sizes()`, kept here for the operator-side check that
 # cannot import vLLM (the conformance tier asserts the two agree).
 CPU_ATTENTION_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def setup_vllm_process() -> None:
+    """The vLLM general plugin: what every vLLM process needs that vLLM does not do itself."""
+    request_amx_permission()
+    die_with_parent()
+
+
+def die_with_parent() -> bool:
+    """In a process vLLM started (a `multiprocessing` child: EngineCore, a worker), have Linux SIGKILL
+    it when its parent exits; exit at once if the parent is already gone. True when armed. No-op in
+    the process that runs vLLM's front end (not a multiprocessing child) and off Linux."""
+    import multiprocessing
+    import signal
+    import sys
+
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    if armed and parent.pid is not None and os.getppid() != parent.pid:  # it died before we armed
+        os._exit(1)
+    return armed
 
 
 def request_amx_permission() -> bool:
