@@ -675,6 +675,11 @@ class EnvironmentSettings(_Model):
         "reset on another. Empty: `url` alone (one replica, or tests).",
     )
     timeout_s: float = Field(30.0, gt=0, description="One reset or step running longer fails the episode.")
+    task: str | dict[str, Any] | None = Field(
+        None,
+        description="What every reset asks of the environment (its `task`: a name or an object the "
+        "environment reads); None: no task, the environment's default. Each GRPO group shares a reset seed.",
+    )
 
 
 class JudgeSettings(_Model):

@@ -232,6 +232,8 @@ class Episode:
     tool_errors: int = 0
     tool_s: float = 0.0
     env_episode_id: str | None = None
+    env_replica: str | None = None  # the environment replica that holds it
+    env_done: bool = False
     env_rewards: list[float] = field(default_factory=list)
     env_final_reward: float | None = None
     interrupts: int = 0

@@ -139,12 +139,13 @@ class AgentLoop:
                 f"the chat template, over lengths.maxPromptTokens ({self.max_prompt_tokens})"
             )
         episode = self.new_episode(ids)
-        episode.env_episode_id = reset.episode_id
+        episode.env_episode_id, episode.env_replica = reset.episode_id, reset.replica
         return episode
 
     def observe_step(self, episode: agent.Episode, step: environment_client.Step, *, turn_cut: bool) -> bool:
         """An environment step's reward and observation into the episode; True when a turn follows."""
         episode.env_rewards.append(step.reward)
+        episode.env_done = step.done
         if step.final_reward is not None:
             episode.env_final_reward = step.final_reward
         decision = agent.decide_after_step(episode, done=step.done, turn_cut=turn_cut)
@@ -164,15 +165,29 @@ class AgentLoop:
         )  # in order: a later call may need an earlier's
         return ToolsDone(results, calls.errors, self.clock() - t0)
 
-    def submit_reset(self, seed: int, task: str | None) -> concurrent.futures.Future[Any]:
+    def submit_reset(self, seed: int) -> concurrent.futures.Future[Any]:
+        """A reset with the environment's task (`environments[].task`) and the group's seed."""
         if self.env is None:
             raise ValueError("no environment to reset")
-        return self._pool.submit(self._timed, self.env.reset, seed, task)
+        return self._pool.submit(self._timed, self.env.reset, seed, self.env.settings.task)
 
-    def submit_step(self, episode_id: str, action: str) -> concurrent.futures.Future[Any]:
-        if self.env is None:
-            raise ValueError("no environment to step")
-        return self._pool.submit(self._timed, self.env.step, episode_id, action)
+    def submit_step(self, episode: agent.Episode, action: str) -> concurrent.futures.Future[Any]:
+        if self.env is None or episode.env_episode_id is None or episode.env_replica is None:
+            raise ValueError("no environment episode to step")
+        return self._pool.submit(
+            self._timed, self.env.step, episode.env_replica, episode.env_episode_id, action
+        )
+
+    def close_episode(self, episode: agent.Episode) -> None:
+        """An environment episode that ended before `done` is closed (on the pool; nobody waits)."""
+        if (
+            self.env is None
+            or episode.env_done
+            or episode.env_episode_id is None
+            or episode.env_replica is None
+        ):
+            return
+        self._pool.submit(self._timed, self.env.close, episode.env_replica, episode.env_episode_id)
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         """(what `fn` returned, or the `EnvironmentCallError` it raised; the seconds it took)."""

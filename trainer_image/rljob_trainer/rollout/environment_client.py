@@ -2,21 +2,27 @@
 
 Role: the reset/step protocol over HTTP (docs/contracts.md, the operator runs the servers as pods
 behind a Service inside the job's NetworkPolicy):
-  POST /reset {"seed": int, "task": str?}          -> {"episode_id": str, "observation": ..., "info": {}}
+  POST /reset {"seed": int, "task": str|object?}   -> {"episode_id": str, "observation": ..., "info": {}}
   POST /step  {"episode_id": str, "action": str}   -> {"observation": ..., "reward": float,
                                                        "done": bool, "info": {}}
+  POST /close {"episode_id": str}                  -> {"closed": bool}
   GET  /healthz                                     -> 200 once it serves
 `reset` gives the episode's first observation (its prompt), each model turn's text is a `step`'s
-action. A call that does not answer within the environment's `timeoutS`, answers an HTTP error or an
-answer of another shape raises an `EnvironmentCallError` subclass naming the environment, the call and
-why: the pipeline fails that episode (counted, `agent/env_failures`), never the job.
+action; an episode that ends before `done` (the turn limit, the token budget) is closed. An episode
+lives in the replica that reset it: with `replicaUrls` each reset goes to the next replica in turn
+(another one when it does not answer) and that episode's steps and close go to that replica. A call
+that does not answer within the environment's `timeoutS`, answers an HTTP error or an answer of
+another shape raises an `EnvironmentCallError` subclass naming the environment, the call and why:
+the pipeline fails that episode (counted, `agent/env_failures`), never the job.
 Callers: `rljob_trainer.rollout.pipeline` (on its worker threads), tests.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -55,6 +61,7 @@ class Reset:
     episode_id: str
     observation: Any
     info: dict[str, Any] = field(default_factory=dict)
+    replica: str = ""  # the base URL of the replica that holds the episode
 
 
 @dataclass(frozen=True)
@@ -106,12 +113,18 @@ class EnvironmentClient:
     def __init__(self, settings: config_mod.EnvironmentSettings) -> None:
         self.settings = settings
         self.base_url = settings.url.rstrip("/")
+        self.replicas = [u.rstrip("/") for u in settings.replica_urls] or [self.base_url]
+        self._next = itertools.count()
+        self._lock = threading.Lock()
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, base: str | None = None
+    ) -> Any:
+        base = base or self.base_url
         where = f"environment {self.settings.name} {method} {path}"
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.base_url + path,
+            base + path,
             data=data,
             headers={"Content-Type": "application/json"} if data is not None else {},
             method=method,
@@ -129,7 +142,7 @@ class EnvironmentClient:
             reason = getattr(e, "reason", e)
             if isinstance(reason, TimeoutError):
                 raise EnvironmentTimeout(f"{where}: no answer within {timeout:g} s (timeoutS)") from None
-            raise EnvironmentUnreachable(f"{where}: unreachable at {self.base_url}: {reason}") from None
+            raise EnvironmentUnreachable(f"{where}: unreachable at {base}: {reason}") from None
         if len(raw) > MAX_ANSWER_BYTES:
             raise EnvironmentBadAnswer(f"{where}: the answer is over {MAX_ANSWER_BYTES} bytes")
         if method == "GET":
@@ -139,15 +152,34 @@ class EnvironmentClient:
         except ValueError:
             raise EnvironmentBadAnswer(f"{where}: the answer is not JSON") from None
 
-    def reset(self, seed: int, task: str | None = None) -> Reset:
+    def reset(self, seed: int, task: str | dict[str, Any] | None = None) -> Reset:
+        """A new episode on the next replica; a replica that is unreachable or does not answer in time
+        is passed over for the next (each at most once); its HTTP errors are the episode's."""
         body: dict[str, Any] = {"seed": int(seed)}
         if task is not None:
             body["task"] = task
-        return parse_reset(self._call("POST", "/reset", body), f"environment {self.settings.name} reset")
+        with self._lock:
+            first = next(self._next)
+        error: EnvironmentCallError | None = None
+        for k in range(len(self.replicas)):
+            base = self.replicas[(first + k) % len(self.replicas)]
+            try:
+                data = self._call("POST", "/reset", body, base=base)
+            except (EnvironmentUnreachable, EnvironmentTimeout) as e:
+                error = e
+                continue
+            reset = parse_reset(data, f"environment {self.settings.name} reset")
+            return Reset(reset.episode_id, reset.observation, reset.info, base)
+        assert error is not None
+        raise error
 
-    def step(self, episode_id: str, action: str) -> Step:
-        data = self._call("POST", "/step", {"episode_id": episode_id, "action": action})
+    def step(self, replica: str, episode_id: str, action: str) -> Step:
+        data = self._call("POST", "/step", {"episode_id": episode_id, "action": action}, base=replica)
         return parse_step(data, f"environment {self.settings.name} step")
+
+    def close(self, replica: str, episode_id: str) -> None:
+        """Free an episode that ended before `done`; a failure to is only logged by the caller."""
+        self._call("POST", "/close", {"episode_id": episode_id}, base=replica)
 
     def healthy(self) -> bool:
         try:

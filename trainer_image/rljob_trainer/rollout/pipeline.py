@@ -273,8 +273,8 @@ class RolloutPipeline:
         assert loop is not None and job.episodes is not None
         if loop.environment:
             job.episodes[i] = None
-            seed, task = job.tasks[job.group_ids[i]]
-            self.side[loop.submit_reset(seed, task)] = SideCall("reset", key, i, self.clock())
+            seed, _ = job.tasks[job.group_ids[i]]
+            self.side[loop.submit_reset(seed)] = SideCall("reset", key, i, self.clock())
             return
         ep = job.episodes[i] = loop.new_episode(job.prompts[i])
         self._queue_turn(key, i, ep)
@@ -295,6 +295,8 @@ class RolloutPipeline:
         job, ep = self.jobs[key], self._episode(key, i)
         now = self.clock()
         ep.finished_s = now
+        if self.agent is not None:
+            self.agent.close_episode(ep)  # an environment episode that ended before `done`
         job.outputs[i] = ep.output()
         if job.complete:
             job.finished = now
@@ -311,9 +313,8 @@ class RolloutPipeline:
         elif isinstance(action, agent.CallTools):
             self.side[loop.submit_tools(action.calls)] = SideCall("tools", key, i, now)
         else:
-            assert ep.env_episode_id is not None
             cut = turn.finish_reason == "length"
-            self.side[loop.submit_step(ep.env_episode_id, action.action)] = SideCall("step", key, i, now, cut)
+            self.side[loop.submit_step(ep, action.action)] = SideCall("step", key, i, now, cut)
 
     def _collect_side(self, fut: concurrent.futures.Future[Any]) -> None:
         """A tool or environment call that finished: the episode goes on, or ends (its environment
