@@ -173,7 +173,7 @@ INVALID_CASES: list[InvalidCase] = [
         "cel-data-source-exactly-one",
         {"spec.data.source": {}},
         "spec.data.source",
-        "exactly one of builtin, pvc, hub or configMapRef",
+        "exactly one of builtin, pvc, hub, configMapRef or reasoningGym",
     ),
     InvalidCase(
         "cel-dynamic-needs-token-budget",

@@ -205,7 +205,8 @@ def test_every_model_field_has_a_description() -> None:
 
 _ALLOWED_KEYS = {
     "type", "format", "description", "enum", "default", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "required",
+    "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems", "minProperties",
+    "maxProperties", "required",
     "properties", "items", "additionalProperties", "x-kubernetes-validations",
     "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",

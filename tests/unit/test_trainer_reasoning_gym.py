@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rljob_trainer import config
-from rljob_trainer.data import evaluation, reasoning_gym, rewards, sources
+from rljob_trainer.data import reasoning_gym, rewards, sources
 
 pytest.importorskip("reasoning_gym")
 
@@ -96,15 +96,30 @@ def test_unknown_tasks_and_config_fields_are_named_with_the_fix() -> None:
         reasoning_gym.load_pairs(config.ReasoningGymSettings(task="chain_sum", config={"max_termz": 3}))
 
 
-def test_held_out_items_never_repeat_a_training_question() -> None:
+def test_training_leaves_out_every_question_the_held_out_evaluation_asks() -> None:
     # 1-digit sums of two terms: few enough distinct questions that two seeds share many.
     small = {"min_digits": 1, "max_digits": 1}
-    train = data(task(seed=1, size=60, **small))
-    held = sources.load_examples(data(task(seed=2, size=200, **small)))
-    kept = evaluation.heldout_examples(held, train)
-    train_q = {e.prompt for e in sources.load_examples(train)}
-    assert len(kept) < len(held)  # the task does repeat questions across seeds
-    assert kept and not {e.prompt for e in kept} & train_q
+    held = task(seed=2, size=40, **small)
+    model = {"name": "m", "source": "tiny", "hf_config": {"model_type": "llama"}}
+    cfg = config.TrainerConfig.model_validate(
+        {
+            "model": model,
+            "data": data(task(seed=1, size=300, **small)).model_dump(),
+            "rewards": [{"name": "reasoningGym"}],
+            "evaluation": {"data": data(held).model_dump(), "max_samples": 30},
+        }
+    )
+    hold = cfg.data.reasoning_gym.held_out
+    assert (hold.task, hold.seed, hold.size) == ("chain_sum", 2, 30)  # the evaluated items only
+    trained = sources.load_examples(cfg.data)
+    asked = {e.prompt for e in sources.load_examples(data(held))[:30]}
+    everything = sources.load_examples(data(task(seed=1, size=300, **small)))
+    assert len(trained) < len(everything)  # the task does repeat questions across seeds
+    assert trained and not {e.prompt for e in trained} & asked
+    # what is left keeps its item index: the reward rebuilds the same entry
+    kept = trained[0]
+    _, index = reasoning_gym.decode_reference(kept.answer)
+    assert everything[index].prompt == kept.prompt
 
 
 def test_the_trainer_config_pairs_reasoning_gym_data_with_its_reward() -> None:

@@ -407,6 +407,15 @@ class RolloutSettings(_Model):
 
 
 # ---- data and rewards ----------------------------------------------------------------------------
+class HeldOutTask(_Model):
+    """The held-out reasoning-gym dataset a training dataset leaves out (its task, config, seed, size)."""
+
+    task: str = Field(..., min_length=1)
+    config: dict[str, Any] = Field(default_factory=dict)
+    size: int = Field(..., ge=1, le=1_000_000)
+    seed: int = Field(..., ge=0)
+
+
 class ReasoningGymSettings(_Model):
     """A reasoning-gym task as a dataset (`rljob_trainer.data.reasoning_gym`): item i of (task, config,
     seed) is always the same item, so a seed names a dataset and another seed a held-out one."""
@@ -421,6 +430,11 @@ class ReasoningGymSettings(_Model):
         "answerTag",
         description="How the reward reads a completion's answer: answerTag (the last <answer>...</answer>, "
         "reasoning-gym's convention) or answerTagOrLastNumber (the tag, else the last number).",
+    )
+    held_out: HeldOutTask | None = Field(
+        None,
+        description="A dataset of the same task whose questions this one leaves out (the job's held-out "
+        "evaluation: TrainerConfig fills it in), so evaluation measures questions never trained on.",
     )
 
 
@@ -586,6 +600,9 @@ class EvaluationSettings(_Model):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy (the default).")
     top_p: float = Field(1.0, gt=0, le=1)
     samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions per prompt (default one).")
+    before_training: bool = Field(
+        True, description="Also evaluate the initial weights, as step 0 (verl's val_before_train)."
+    )
 
 
 # ---- agents: multi-turn, tool-using episodes (rljob_trainer.rollout.agent) ------------------------
@@ -806,6 +823,12 @@ class TrainerConfig(_Model):
             raise ValueError(
                 "evaluation.data.reasoningGym has the training task, config and seed: its prompts would be "
                 "the training prompts; give the evaluation another seed"
+            )
+        if ev is not None and train is not None and train.held_out is None:
+            # Training leaves out the evaluated questions (the evaluation keeps the task's distribution;
+            # a procedural task with a small space repeats questions across seeds).
+            train.held_out = HeldOutTask(
+                task=ev.task, config=ev.config, seed=ev.seed, size=min(ev.size, self.evaluation.max_samples)
             )
 
     def _engine_lora_on_vllm(self) -> None:

@@ -822,11 +822,25 @@ class GRPODriver:
         self.setup()
         last = min(max_steps or self.cfg.grpo.max_steps, self.cfg.grpo.max_steps)
         out = []
+        if self.evaluator is not None and self.state.step == 0 and self.evaluator.settings.before_training:
+            out.append(self._evaluate_before_training())
         while self.state.step < last:
             out.append(self.step())
         if self.cfg.export.final and self.state.step >= self.cfg.grpo.max_steps:
             self._export(export.FINAL)
         return out
+
+    def _evaluate_before_training(self) -> dict[str, Any]:
+        """The held-out evaluation of the initial weights, as step 0 (verl's val_before_train): the
+        baseline every later `eval/*` is compared with, in the trackers and the metrics JSONL."""
+        if self.evaluator is None:
+            raise RuntimeError("evaluation is not configured")
+        metrics: dict[str, Any] = {"step": 0, **self.evaluator.run(self, 0)}
+        self.tracker.log_step(metrics, None)
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(metrics, default=str) + "\n")
+        return metrics
 
     def _export(self, name: str) -> None:
         """Export the policy (`rljob_trainer.outputs.export`) and report its path in the latest SyncReport."""

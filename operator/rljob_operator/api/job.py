@@ -253,6 +253,11 @@ class EvaluationSpec(_Spec):
     sampling: EvaluationSamplingSpec = Field(
         default_factory=lambda: EvaluationSamplingSpec(), description="Sampling of the held-out prompts."
     )
+    before_training: bool = Field(
+        True,
+        description="Also evaluate the initial weights before the first step (logged as step 0): the "
+        "baseline the later evaluations are compared with.",
+    )
 
 
 class TrackingSpec(_Spec):

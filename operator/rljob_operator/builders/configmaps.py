@@ -251,6 +251,7 @@ def _evaluation_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
         "temperature": ev.sampling.temperature,
         "top_p": ev.sampling.top_p,
         "samples_per_prompt": ev.sampling.samples_per_prompt,
+        "before_training": ev.before_training,
     }
 
 

@@ -73,20 +73,6 @@ def summarize(
     }
 
 
-def heldout_examples(
-    examples: list[sources.Example], train: config_mod.DataSettings
-) -> list[sources.Example]:
-    """`examples` without those whose question is a training question (a procedural task repeats
-    questions across seeds): what the evaluation measures was never trained on."""
-    from rljob_trainer.data import reasoning_gym
-
-    train_questions = {e.prompt for e in sources.load_examples(train)}
-    pairs, dropped = reasoning_gym.heldout_filter([(e.prompt, e.answer) for e in examples], train_questions)
-    if dropped:
-        log.info("evaluation: %d held-out prompts are also training prompts and are left out", dropped)
-    return [sources.Example(prompt=p, answer=a) for p, a in pairs]
-
-
 class Evaluator:
     """The held-out prompts, encoded once, and how to sample them."""
 
@@ -111,8 +97,6 @@ class Evaluator:
         examples, _ = sources.load_fitting_examples(
             ev.data, tokenizer, max_prompt_tokens=cfg.lengths.max_prompt_tokens
         )
-        if ev.data.reasoning_gym is not None and cfg.data.reasoning_gym is not None:
-            examples = heldout_examples(examples, cfg.data)
         examples = examples[: ev.max_samples]
         prompts = [sources.encode_data_prompt(tokenizer, e.prompt, ev.data) for e in examples]
         return cls(

@@ -20,21 +20,27 @@ Answer extraction (`extract_answer`), chosen per data source (`answerFormat`):
 `score_answer` itself does the task's comparison (chain_sum: numbers equal up to sign, commas and
 trailing zeros; partial credit where the task gives it).
 
-Held out: `heldout_filter` drops the evaluation items whose question is also a training question
-(procedural tasks with a small space repeat questions across seeds), so `spec.evaluation` measures
-prompts the policy never trained on. Callers: `data.sources` (loading), `data.rewards` (the reward),
-`data.evaluation` (held-out filter), tests. reasoning-gym is imported only when a job uses it.
+Held out: the evaluation is the same task under another seed, and training leaves out every item
+whose question the evaluation asks (`ReasoningGymSettings.held_out`, filled in by the trainer
+config): procedural tasks with a small space repeat questions across seeds, and dropping them from
+the evaluation instead would leave it only the rarer, harder questions (measured on chain_sum with
+1-2 digits: 217 of 400 evaluation items were training questions, and the 183 left were mostly the
+2-digit ones, 0.04 right where the task as a whole is about 0.3). Callers: `data.sources`
+(loading), `data.rewards` (the reward), tests. reasoning-gym is imported only when a job uses it.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from rljob_trainer import config as config_mod
+
+log = logging.getLogger("rljob_trainer.data.reasoning_gym")
 
 # Marks an answer string as a reasoning-gym reference (the first key of its JSON object).
 REFERENCE_KEY = "reasoningGym"
@@ -44,6 +50,7 @@ NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _task_settings(settings: config_mod.ReasoningGymSettings) -> dict[str, Any]:
+    # What identifies the items (`held_out` only removes some: an item keeps its index).
     return {
         "task": settings.task,
         "config": dict(sorted(settings.config.items())),
@@ -106,9 +113,27 @@ def decode_reference(answer: str) -> tuple[config_mod.ReasoningGymSettings, int]
 
 
 def load_pairs(settings: config_mod.ReasoningGymSettings) -> list[tuple[str, str]]:
-    """(question, answer reference) of every item, in index order."""
+    """(question, answer reference) of every item, in index order, without the items whose question
+    is one of `settings.held_out`'s (the job's held-out evaluation: never trained on)."""
     ds = dataset(settings)
-    return [(str(e["question"]), encode_reference(settings, i, str(e["answer"]))) for i, e in enumerate(ds)]
+    pairs = [(str(e["question"]), encode_reference(settings, i, str(e["answer"]))) for i, e in enumerate(ds)]
+    if settings.held_out is None:
+        return pairs
+    h = settings.held_out
+    held = _dataset(h.task, json.dumps(h.config, sort_keys=True), h.seed, h.size)
+    kept, dropped = heldout_filter(pairs, {str(e["question"]) for e in held})
+    if not kept:
+        raise ValueError(
+            f"data.reasoningGym: every one of the {len(pairs)} {settings.task} items asks a question of the "
+            "held-out evaluation; make the task's space larger (its config) or the evaluation smaller"
+        )
+    log.info(
+        "%s: %d of %d items ask a held-out question and are left out of training",
+        settings.task,
+        dropped,
+        len(pairs),
+    )
+    return kept
 
 
 def extract_answer(completion: str, answer_format: str) -> str | None:
