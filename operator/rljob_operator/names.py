@@ -32,9 +32,7 @@ LABEL_ENVIRONMENT = "rljob.io/environment"
 # The port an environment server listens on, set by the operator on its container
 # (docs/contracts.md §4); the server reads it, and `$(RLJOB_ENV_PORT)` in args expands to it.
 ENV_ENVIRONMENT_PORT = "RLJOB_ENV_PORT"
-# The port of every environment's Service; it forwards to the container's port named `http`, so the
-# Service never changes when spec.environments[].port does.
-ENVIRONMENT_SERVICE_PORT = 80
+# The container port name of an environment server (its readiness probe and its NetworkPolicy use it).
 ENVIRONMENT_PORT_NAME = "http"
 
 ROLE_TRAINER = "trainer"
@@ -168,12 +166,13 @@ def pod_name(job: str, role: str, index: int) -> str:
 
 # ---- environments (spec.environments[]) ------------------------------------------------------------
 def environment_service_name(job: str, environment: str) -> str:
-    """`<job>-env-<name>`: the Service in front of environment `name`'s pods (an RFC 1035 label)."""
+    """`<job>-env-<name>`: the headless Service of environment `name`'s pods (an RFC 1035 label), and
+    their DNS subdomain."""
     return f"{job}-env-{environment}"
 
 
 def environment_pod_name(job: str, environment: str, index: int) -> str:
-    """`<job>-env-<name>-<i>`: replica i of environment `name`."""
+    """`<job>-env-<name>-<i>`: replica i of environment `name`, also its hostname."""
     return f"{environment_service_name(job, environment)}-{index}"
 
 
@@ -182,9 +181,16 @@ def environment_network_policy_name(job: str) -> str:
     return f"{job}-env"
 
 
-def environment_url(job: str, namespace: str, environment: str) -> str:
-    """The URL the trainer reaches environment `name` at: its Service, `http://<job>-env-<name>.<ns>.svc:80`."""
-    return f"http://{environment_service_name(job, environment)}.{namespace}.svc:{ENVIRONMENT_SERVICE_PORT}"
+def environment_url(job: str, namespace: str, environment: str, port: int) -> str:
+    """Environment `name`'s headless Service, `http://<job>-env-<name>.<ns>.svc:<port>`: any ready replica."""
+    return f"http://{environment_service_name(job, environment)}.{namespace}.svc:{port}"
+
+
+def environment_replica_url(job: str, namespace: str, environment: str, index: int, port: int) -> str:
+    """Replica i's own address, its pod's DNS name through the headless Service:
+    `http://<job>-env-<name>-<i>.<job>-env-<name>.<ns>.svc:<port>` (an episode stays on one replica)."""
+    service = environment_service_name(job, environment)
+    return f"http://{environment_pod_name(job, environment, index)}.{service}.{namespace}.svc:{port}"
 
 
 def environment_pod_labels(job: str, environment: str, index: int) -> dict[str, str]:
@@ -197,16 +203,17 @@ def environment_selector(job: str, environment: str) -> dict[str, str]:
     return {LABEL_JOB: job, LABEL_ROLE: ROLE_ENVIRONMENT, LABEL_ENVIRONMENT: environment}
 
 
-def validate_environment_name(job: str, environment: str) -> str | None:
-    """Why `<job>-env-<environment>` cannot name a Service (an RFC 1035 label of at most 63 characters),
-    or None when it can."""
-    service = environment_service_name(job, environment)
-    if len(service) > 63:
-        most = 63 - len(environment_service_name(job, ""))
+def validate_environment_name(job: str, environment: str, replicas: int = 1) -> str | None:
+    """Why environment `name` of job `job` cannot have its Service `<job>-env-<name>` and pod hostnames
+    `<job>-env-<name>-<i>` (RFC 1035 labels of at most 63 characters), or None when it can."""
+    longest = environment_pod_name(job, environment, max(0, replicas - 1))
+    if len(longest) > 63:
+        most = 63 - len(environment_pod_name(job, "", max(0, replicas - 1)))
         return (
-            f"its Service {service!r} would be {len(service)} characters, at most 63 are allowed: shorten "
-            f"the environment's name to at most {most} characters, or the job's name"
+            f"its pods' hostname {longest!r} would be {len(longest)} characters, at most 63 are allowed: "
+            f"shorten the environment's name to at most {most} characters, or the job's name"
         )
+    service = environment_service_name(job, environment)
     if not _RFC1035.match(service):
         return f"its Service {service!r} must be an RFC 1035 label (lowercase letters, digits and '-')"
     return None

@@ -63,11 +63,24 @@ def test_a_reply_without_a_number_asks_again_once() -> None:
 
 @pytest.mark.parametrize(
     "task",
-    [{"steps": 0}, {"steps": 17}, {"steps": "3"}, {"max_operand": 1}, {"max_operand": True}, {"level": 2}],
+    [
+        {"steps": 0},
+        {"steps": 17},
+        {"steps": "3"},
+        {"max_operand": 1},
+        {"max_operand": True},
+        {"level": 2},
+        "impossible",
+    ],
 )
-def test_a_task_out_of_its_bounds_is_refused_naming_the_field(task: dict) -> None:
-    with pytest.raises(server.TaskError, match=r"task\.|unknown task fields"):
+def test_a_task_out_of_its_bounds_is_refused_naming_the_field(task: dict | str) -> None:
+    with pytest.raises(server.TaskError, match=r"task\.|unknown task"):
         arithmetic.Arithmetic().reset(0, task)
+
+
+def test_a_task_by_name_is_its_preset() -> None:
+    episode, _, info = arithmetic.Arithmetic().reset(2, "hard")
+    assert info == {"steps": 5, "max_operand": 1000} and len(episode.ops) == 5
 
 
 def test_negative_and_separated_numbers_parse_and_the_last_one_counts() -> None:

@@ -8,7 +8,8 @@ at the end: 1 when every step was right, else the share of steps done right. A r
 asks again; a second in a row ends the episode. The episode is fixed by its seed (the same seed, the
 same numbers), so a group of GRPO samples shares one task.
 
-Task (`reset`'s `task`, all optional): `steps` (1..16, default 3), `max_operand` (2..1000000,
+Task (`reset`'s `task`): a name, `easy` (2 steps, operands up to 20), `medium` (the default: 3, 100)
+or `hard` (5, 1000), or an object with `steps` (1..16, default 3) and `max_operand` (2..1000000,
 default 100).
 """
 
@@ -29,6 +30,11 @@ MAX_STEPS = 16
 MAX_OPERAND = 1_000_000
 MULTIPLIER_MAX = 9  # a product's operand stays small: numbers a tiny model can still learn to carry
 _NUMBER = re.compile(r"-?\d[\d,]*")
+PRESETS: dict[str, dict[str, int]] = {
+    "easy": {"steps": 2, "max_operand": 20},
+    "medium": {"steps": DEFAULT_STEPS, "max_operand": DEFAULT_MAX_OPERAND},
+    "hard": {"steps": 5, "max_operand": 1000},
+}
 _OPS = {
     "+": ("add {n}", lambda a, b: a + b),
     "-": ("subtract {n}", lambda a, b: a - b),
@@ -97,8 +103,12 @@ class Arithmetic:
     name = NAME
 
     def reset(
-        self, seed: int, task: Mapping[str, Any] | None
+        self, seed: int, task: str | Mapping[str, Any] | None
     ) -> tuple[ArithmeticEpisode, str, dict[str, Any]]:
+        if isinstance(task, str):
+            if task not in PRESETS:
+                raise server.TaskError(f"unknown task {task!r}; valid: {', '.join(PRESETS)}, or an object")
+            task = PRESETS[task]
         task = task or {}
         unknown = sorted(set(task) - {"steps", "max_operand"})
         if unknown:

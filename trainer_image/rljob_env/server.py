@@ -4,7 +4,8 @@ Role: `serve(env, port)` runs a threaded HTTP server; `EnvironmentServer` holds 
 Callers: each environment module's `main` (`python -m rljob_env.arithmetic`), and tests.
 
 The protocol (JSON bodies, UTF-8):
-- `POST /reset {"seed": int, "task": object?}` -> 200 `{"episode_id", "observation", "info"}`;
+- `POST /reset {"seed": int, "task": string or object?}` -> 200 `{"episode_id", "observation", "info"}`
+  (the environment reads `task`: a name, or its fields);
 - `POST /step {"episode_id", "action": str}` -> 200 `{"observation", "reward", "done", "info"}`;
   an episode's reward is the sum of its steps' rewards; after `done` the episode is gone;
 - `POST /close {"episode_id"}` -> 200 `{"closed": bool}` (an episode the client abandons);
@@ -52,7 +53,9 @@ class Environment(Protocol):
 
     name: str
 
-    def reset(self, seed: int, task: Mapping[str, Any] | None) -> tuple[Episode, str, dict[str, Any]]: ...
+    def reset(
+        self, seed: int, task: str | Mapping[str, Any] | None
+    ) -> tuple[Episode, str, dict[str, Any]]: ...
 
 
 class ProtocolError(Exception):
@@ -83,8 +86,8 @@ class EnvironmentServer:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ProtocolError(400, "reset: seed must be an integer")
         task = body.get("task")
-        if task is not None and not isinstance(task, dict):
-            raise ProtocolError(400, "reset: task must be a JSON object when given")
+        if task is not None and not isinstance(task, (dict, str)):
+            raise ProtocolError(400, "reset: task must be a string or a JSON object when given")
         try:
             episode, observation, info = self.env.reset(seed, task)
         except TaskError as exc:

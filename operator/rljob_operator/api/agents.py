@@ -183,10 +183,11 @@ class EnvironmentResourcesSpec(_Spec):
 
 
 class EnvironmentSpec(_Spec):
-    """An environment server of the job: `replicas` pods `<job>-env-<name>-<i>` behind the Service
-    `<job>-env-<name>` (port 80 to the container's port), inside the job's NetworkPolicy (only the
-    job's trainer and rollout pods reach it; it reaches nothing), under PodSecurity restricted, created
-    and deleted with the job. It speaks the reset/step protocol of docs/contracts.md."""
+    """An environment server of the job: `replicas` pods `<job>-env-<name>-<i>` under the headless
+    Service `<job>-env-<name>` (each replica reachable by its own DNS name, so an episode stays on the
+    replica that holds it), inside the job's NetworkPolicy (only the job's trainer and rollout pods
+    reach it; it reaches nothing), under PodSecurity restricted, created and deleted with the job. It
+    speaks the reset/step protocol of docs/contracts.md."""
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
@@ -204,7 +205,9 @@ class EnvironmentSpec(_Spec):
         max_length=22,
         pattern=ENVIRONMENT_NAME_PATTERN,
         description="The environment's name (lowercase letters, digits and -, starting with a letter): "
-        "spec.rollout.agent.environment names it, and its Service is <job>-env-<name>.",
+        "spec.rollout.agent.environment names it, its Service is <job>-env-<name> and its pods "
+        "<job>-env-<name>-<i> (hostnames of at most 63 characters: the operator says when job and name "
+        "are too long together).",
     )
     image: str | None = Field(
         None,

@@ -283,13 +283,16 @@ def _agent_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
 
 
 def _environment_settings(job: JobRef | None, spec: api.RLJobSpec) -> list[dict[str, Any]]:
-    """Each spec.environments[] entry as the trainer reaches it: its Service's URL (offline, without a
-    job, the URL a job named `<job>` in namespace `<namespace>` would get)."""
+    """Each spec.environments[] entry as the trainer reaches it: its headless Service's URL and each
+    replica's (offline, without a job, those a job named `<job>` in namespace `<namespace>` would get)."""
     name, namespace = (job.name, job.namespace) if job is not None else ("<job>", "<namespace>")
     return [
         {
             "name": e.name,
-            "url": names.environment_url(name, namespace, e.name),
+            "url": names.environment_url(name, namespace, e.name, e.port),
+            "replica_urls": [
+                names.environment_replica_url(name, namespace, e.name, i, e.port) for i in range(e.replicas)
+            ],
             "timeout_s": e.timeout_seconds,
         }
         for e in spec.environments

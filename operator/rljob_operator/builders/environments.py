@@ -2,9 +2,13 @@
 
 Role: pure builders the reconcile's pods and children steps apply (`build_job_objects` gathers
 them, so `rljob render` shows the same). Environment `name` is `replicas` pods
-`<job>-env-<name>-<i>` behind the Service `<job>-env-<name>` (port 80 to the container's port named
-`http`, so a new spec.environments[].port never needs a new Service), reached by the trainer at
-`names.environment_url` (rendered into trainer.json's `environments[].url`).
+`<job>-env-<name>-<i>` under the headless Service `<job>-env-<name>` (their DNS subdomain): the
+Service's name resolves to the ready replicas, and each replica has its own name
+`<pod>.<service>.<ns>.svc`, because an episode lives in one replica and all its steps must reach that
+one (a ClusterIP Service would spread them over the replicas). trainer.json's `environments[].url` is
+the Service, `replicaUrls` the replicas (`names.environment_url`, `names.environment_replica_url`).
+The Service lists no port: DNS is all it serves, so a new spec.environments[].port never needs a new
+Service.
 
 The pods are servers, not ranks: `restartPolicy: Always`, so the kubelet restarts a crashing server
 (CrashLoopBackOff, which the status names) and the gang never restarts for an environment; a pod
@@ -79,9 +83,13 @@ def build_environment_pod(
     if env.command is None and not args:
         args = ["--port", f"$({names.ENV_ENVIRONMENT_PORT})"]
     amounts = {"cpu": str(env.resources.cpu), "memory": str(env.resources.memory)}
+    name = names.environment_pod_name(job.name, env.name, index)
     pod_spec: dict[str, Any] = {
         # A server: the kubelet restarts it (CrashLoopBackOff); the job's gang never restarts for it.
         "restartPolicy": "Always",
+        # Its own DNS name, <pod>.<service>.<ns>.svc, where an episode's steps find their replica.
+        "hostname": name,
+        "subdomain": names.environment_service_name(job.name, env.name),
         "serviceAccountName": names.service_account_name(job.name),
         "automountServiceAccountToken": False,  # it never calls the API
         "enableServiceLinks": False,
@@ -134,7 +142,7 @@ def build_environment_pod(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": names.environment_pod_name(job.name, env.name, index),
+            "name": name,
             "namespace": job.namespace,
             "labels": names.environment_pod_labels(job.name, env.name, index),
             "annotations": {
@@ -156,7 +164,8 @@ def build_environment_pods(job: JobRef, spec: api.RLJobSpec, *, attempt: int = 0
 
 
 def build_environment_service(job: JobRef, env: api.EnvironmentSpec) -> dict[str, Any]:
-    """The Service `<job>-env-<name>`: port 80 to the ready pods' `http` port."""
+    """The headless Service `<job>-env-<name>`: DNS for its ready pods, the name for all of them and
+    one per pod (their hostname and subdomain); no port, no virtual IP."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -169,16 +178,10 @@ def build_environment_service(job: JobRef, env: api.EnvironmentSpec) -> dict[str
             },
         },
         "spec": {
-            "type": "ClusterIP",
+            "clusterIP": "None",
             "selector": names.environment_selector(job.name, env.name),
-            "ports": [
-                {
-                    "name": names.ENVIRONMENT_PORT_NAME,
-                    "port": names.ENVIRONMENT_SERVICE_PORT,
-                    "targetPort": names.ENVIRONMENT_PORT_NAME,
-                    "protocol": "TCP",
-                }
-            ],
+            # Only ready replicas resolve: a crashed or starting one takes no episode.
+            "publishNotReadyAddresses": False,
         },
     }
 

@@ -401,7 +401,9 @@ def compute_environments(
                 replicas=env.replicas,
                 ready_replicas=ready,
                 ready=f"{ready}/{env.replicas}",
-                url=names.environment_url(job.name, job.namespace, env.name) if job is not None else None,
+                url=names.environment_url(job.name, job.namespace, env.name, env.port)
+                if job is not None
+                else None,
                 message=first[1][:1024] if first is not None and ready < env.replicas else None,
             )
         )

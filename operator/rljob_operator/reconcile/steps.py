@@ -234,7 +234,7 @@ async def _step_plan(ctx: Ctx, seen: status.Observed) -> tuple[status.Observed, 
         if bad_name:
             raise errors.InvalidSpecError("metadata.name", bad_name)
         for i, env in enumerate(spec.environments):
-            if why := names.validate_environment_name(ctx.job.name, env.name):
+            if why := names.validate_environment_name(ctx.job.name, env.name, env.replicas):
                 raise errors.InvalidSpecError(f"spec.environments[{i}].name", why)
         plan, model_config = await _plan(ctx, spec)
     except (errors.RLJobError, pydantic.ValidationError) as exc:
