@@ -4,7 +4,8 @@ Called by `testenv.cluster.LocalCluster`. For each node it registers it:
 - keeps the node Ready the way a kubelet does, by renewing its Lease in `kube-node-lease`, so the
   real node-lifecycle controller in kube-controller-manager never taints it unreachable;
 - plays the kubelet's part for pods the real scheduler binds to it: marks them Running (with
-  Ready conditions, container statuses and a pod IP), finishes graceful deletions (a kubelet
+  Ready conditions, container statuses and a pod IP; never Ready with a readiness probe, which
+  nothing running here could pass), finishes graceful deletions (a kubelet
   confirms a pod's deletion with grace period 0; without that a deleted pod would stay
   Terminating forever), and on request ends a pod as Failed or Succeeded with an exit code;
 - refuses to start what a kubelet cannot start, with the kubelet's waiting reasons and messages:
@@ -14,7 +15,9 @@ Called by `testenv.cluster.LocalCluster`. For each node it registers it:
   `ImagePullBackOff`; the pod starts once the cause is gone, as a kubelet's retries do.
 
 Nodes labelled `rljob.io/local-exec: "true"` run their pods as processes on this machine: see
-`testenv.local_exec`.
+`testenv.local_exec` (and `testenv.local_services` for their ports, Services, DNS names and
+readiness probes; restartPolicy Always restarts a container there after the kubelet's back-off,
+CrashLoopBackOff meanwhile).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from testenv import kubelet_logs, local_exec
+from testenv import kubelet_logs, local_exec, local_services
 from testenv.local_exec import LOCAL_EXEC_LABEL, LocalPod, _has_started, _now, _rfc3339, accelerator_resources
 
 LEASE_NAMESPACE = "kube-node-lease"
@@ -44,6 +47,11 @@ IMAGE_PULL_BACKOFF_AFTER_S = 4.0  # the first pull fails, then the kubelet backs
 BLOCKED_RECHECK_S = 2.0
 
 log = logging.getLogger(__name__)
+
+
+def _probes_readiness(pod: Any) -> bool:
+    """Whether a container of `pod` has a readiness probe (only a running server can pass it)."""
+    return any(c.readiness_probe is not None for c in pod.spec.containers)
 
 
 def node_manifest(
@@ -139,6 +147,10 @@ class FakeKubelet(local_exec.LocalExecPods):
         self._local: dict[str, LocalPod] = {}  # by pod uid
         self._by_name: dict[tuple[str, str], LocalPod] = {}  # (namespace, name) -> latest pod
         self._job_ports: dict[tuple[str, str], int] = {}
+        # (namespace, Service, port) -> the proxy forwarding it to ready local pods (local_services)
+        self._service_proxies: dict[tuple[str, str, int], local_services.ServiceProxy | None] = {}
+        # (namespace, pod name, container port) -> the port of this machine it listens on (local_services)
+        self._pod_ports: dict[tuple[str, str, int], int] = {}
         self._root: Path | None = None
         self._seq = 0
         self._log_dir = log_dir  # `<namespace>_<pod>.log` there (appended to across pod restarts)
@@ -233,7 +245,8 @@ class FakeKubelet(local_exec.LocalExecPods):
             return
         phase = pod.status.phase if pod.status else None
         if phase in (None, "Pending") and not _has_started(pod):
-            self._set_running(pod)
+            # Nothing runs here, so a readiness probe never passes: Running, never Ready.
+            self._set_running(pod, ready=not _probes_readiness(pod))
 
     # ---- what stops a container from starting, as a kubelet reports it ---------------------------
 
@@ -360,7 +373,7 @@ class FakeKubelet(local_exec.LocalExecPods):
         if local_exec:
             self._handle_local(pod, resume=True)
         else:
-            self._set_running(pod)
+            self._set_running(pod, ready=not _probes_readiness(pod))
 
     def _set_waiting(self, pod: Any, container_name: str, reason: str, message: str) -> None:
         now = _rfc3339(_now())
@@ -398,28 +411,41 @@ class FakeKubelet(local_exec.LocalExecPods):
         with contextlib.suppress(ApiException):
             self._core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
 
-    def _set_running(self, pod: Any, *, ip: str | None = None, container_id: str = "fake") -> None:
+    def _set_running(
+        self,
+        pod: Any,
+        *,
+        ip: str | None = None,
+        container_id: str = "fake",
+        ready: bool = True,
+        restart_count: int = 0,
+        last_state: dict[str, Any] | None = None,
+        started_at: str | None = None,
+    ) -> None:
+        """Running; `ready` False while a readiness probe has not passed (ContainersNotReady), and
+        `restart_count`/`last_state` for a container the kubelet restarted (restartPolicy Always)."""
         now = _rfc3339(_now())
         conditions = [
             {"type": kind, "status": "True", "lastTransitionTime": now}
-            for kind in (
-                "PodReadyToStartContainers",
-                "Initialized",
-                "ContainersReady",
-                "Ready",
-                "PodScheduled",
-            )
+            for kind in ("PodReadyToStartContainers", "Initialized", "PodScheduled")
+        ]
+        conditions += [
+            {"type": kind, "status": "True", "lastTransitionTime": now}
+            if ready
+            else {"type": kind, "status": "False", "reason": "ContainersNotReady", "lastTransitionTime": now}
+            for kind in ("ContainersReady", "Ready")
         ]
         statuses = [
             {
                 "name": c.name,
                 "image": c.image or "",
                 "imageID": f"fake://{c.image}",
-                "ready": True,
+                "ready": ready,
                 "started": True,
-                "restartCount": 0,
+                "restartCount": restart_count,
                 "containerID": f"{container_id}://{pod.metadata.uid}/{c.name}",
-                "state": {"running": {"startedAt": now}},
+                "state": {"running": {"startedAt": started_at or now}},
+                **({"lastState": last_state} if last_state else {}),
             }
             for c in pod.spec.containers
         ]
@@ -438,6 +464,43 @@ class FakeKubelet(local_exec.LocalExecPods):
         }
         with contextlib.suppress(ApiException):
             self._core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, body)
+
+    def _set_back_off(
+        self, pod: Any, *, restart_count: int, last_state: dict[str, Any], back_off_s: float
+    ) -> None:
+        """A container restartPolicy Always brings back, waiting out its restart back-off: phase Running,
+        CrashLoopBackOff with the kubelet's message, the last run in lastState."""
+        now = _rfc3339(_now())
+        name, namespace, uid = pod.metadata.name, pod.metadata.namespace, pod.metadata.uid
+        statuses = [
+            {
+                "name": c.name,
+                "image": c.image or "",
+                "imageID": f"fake://{c.image}",
+                "ready": False,
+                "started": False,
+                "restartCount": restart_count,
+                "state": {
+                    "waiting": {
+                        "reason": "CrashLoopBackOff",
+                        "message": f"back-off {back_off_s:.0f}s restarting failed container={c.name} "
+                        f"pod={name}_{namespace}({uid})",
+                    }
+                },
+                "lastState": last_state,
+            }
+            for c in pod.spec.containers
+        ]
+        not_ready = {"status": "False", "reason": "ContainersNotReady", "lastTransitionTime": now}
+        body = {
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "ContainersReady", **not_ready}, {"type": "Ready", **not_ready}],
+                "containerStatuses": statuses,
+            }
+        }
+        with contextlib.suppress(ApiException):
+            self._core.patch_namespaced_pod_status(name, namespace, body)
 
     def fail_pod(self, namespace: str, name: str, exit_code: int, message: str | None = None) -> None:
         """End a pod's containers with `exit_code`: phase Failed, or Succeeded for 0; `message` is
@@ -558,6 +621,7 @@ class FakeKubelet(local_exec.LocalExecPods):
             thread.join(timeout=10)
         self._threads.clear()
         self._stop_local_pods()
+        self._close_service_proxies()
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None

@@ -66,6 +66,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.utils import parse_quantity
 
+from testenv import local_services
+
 log = logging.getLogger(__name__)
 
 
@@ -84,6 +86,9 @@ JOB_LABEL = "rljob.io/job"
 POD_MARKER_ENV = "RLJOB_FAKELET_POD_UID"
 LOCAL_POD_IP = "127.0.0.1"
 STOP_GRACE_CAP_S = 10.0
+# The kubelet's container restart back-off (restartPolicy Always): 10 s doubling, at most 5 min.
+RESTART_BACK_OFF_S = 10.0
+MAX_RESTART_BACK_OFF_S = 300.0
 START_RETRY_S = 60.0
 # What a kubelet does before it starts a container, and how it reports a pod it cannot start.
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
@@ -241,6 +246,13 @@ class LocalPod:
     # (volume name, folder, sizeLimit as written) of its disk-backed emptyDirs with a sizeLimit
     limited: list[tuple[str, Path, str]] = field(default_factory=list)
     evicted: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    # container port -> the port of this machine it listens on instead (`local_services`)
+    port_map: dict[int, int] = field(default_factory=dict)
+    named_ports: dict[str, int] = field(default_factory=dict)
+    ready: bool | None = None  # None: no readiness probe (ready while it runs)
+    launch: tuple[list[str], dict[str, str], str] | None = None  # argv, env, cwd: for restarts
+    restarts: int = 0
 
 
 def _session(local: LocalPod) -> int | None:
@@ -394,13 +406,72 @@ class LocalExecPods:
             with contextlib.suppress(ApiException):
                 self._set_terminated(pod, 127, message=f"exec {argv[0]} failed")
             return
-        local.started_at = _rfc3339(_now())
-        log.info("local pod %s/%s started as pid %s", local.namespace, local.name, local.process.pid)
-        with contextlib.suppress(ApiException):
-            self._set_running(pod, ip=LOCAL_POD_IP, container_id="local")
+        local.launch = (argv, env, cwd)
+        self._running(pod, local)
         if local.limited:
             self._spawn_thread(self._watch_storage, pod, local, name=f"fakelet-storage-{pod.metadata.name}")
         self._watch_exit(pod, local)
+
+    def _running(self, pod: Any, local: LocalPod, last_state: dict[str, Any] | None = None) -> None:
+        """Report the (re)started container Running, and start its readiness probe if it has one."""
+        assert local.process is not None
+        local.started_at = _rfc3339(_now())
+        log.info("local pod %s/%s started as pid %s", local.namespace, local.name, local.process.pid)
+        probe = pod.spec.containers[0].readiness_probe
+        http = probe.http_get if probe is not None else None
+        local.ready = False if http is not None else None
+        with contextlib.suppress(ApiException):
+            self._set_running(
+                pod,
+                ip=LOCAL_POD_IP,
+                container_id="local",
+                ready=http is None,
+                restart_count=local.restarts,
+                last_state=last_state,
+                started_at=local.started_at,
+            )
+        if http is not None:
+            process = local.process
+            self._spawn_thread(
+                self._probe_readiness,
+                pod,
+                local,
+                process,
+                last_state,
+                name=f"fakelet-probe-{pod.metadata.name}",
+            )
+
+    def _probe_readiness(
+        self, pod: Any, local: LocalPod, process: Any, last_state: dict[str, Any] | None
+    ) -> None:
+        """The kubelet's prober for an httpGet readiness probe: every periodSeconds against the pod's
+        own port; Ready at the first success, not ready after failureThreshold failures in a row."""
+        probe = pod.spec.containers[0].readiness_probe
+        http = probe.http_get
+        target = local_services.container_port(pod.spec.containers[0], http.port)
+        port = local.port_map.get(target, target) if target is not None else None
+        period = float(probe.period_seconds or 10)
+        timeout = float(probe.timeout_seconds or 1)
+        threshold = int(probe.failure_threshold or 3)
+        self._stop.wait(float(probe.initial_delay_seconds or 0))
+        failures = 0
+        while not self._stop.is_set() and not local.stopping and process.poll() is None:
+            ok = port is not None and local_services.http_probe(port, http.path or "/", timeout)
+            failures = 0 if ok else failures + 1
+            now_ready = True if ok else (False if failures >= threshold else local.ready)
+            if now_ready != local.ready and process.poll() is None and not local.stopping:
+                local.ready = bool(now_ready)
+                with contextlib.suppress(ApiException):
+                    self._set_running(
+                        pod,
+                        ip=LOCAL_POD_IP,
+                        container_id="local",
+                        ready=local.ready,
+                        restart_count=local.restarts,
+                        last_state=last_state,
+                        started_at=local.started_at,
+                    )
+            self._stop.wait(period)
 
     def _watch_storage(self, pod: Any, local: LocalPod) -> None:
         """The kubelet's eviction manager for emptyDir sizeLimits: a pod whose disk-backed emptyDir
@@ -428,6 +499,11 @@ class LocalExecPods:
         code = local.process.wait()
         exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
         log.info("local pod %s/%s exited with %s", local.namespace, local.name, exit_code)
+        policy = pod.spec.restart_policy or "Always"
+        restarts = policy == "Always" or (policy == "OnFailure" and exit_code != 0)
+        if restarts and not (local.stopping or local.evicted or self._stop.is_set()):
+            self._restart(pod, local, exit_code)
+            return
         if not (local.stopping or local.evicted or self._stop.is_set()):
             message = self._termination_message(pod, local, exit_code)
             with contextlib.suppress(ApiException):
@@ -439,6 +515,52 @@ class LocalExecPods:
         # make the job's other pods fail before this one's exit is known.
         if not local.stopping:
             kill_pod_processes(local, grace_s=5.0)
+
+    def _restart(self, pod: Any, local: LocalPod, exit_code: int) -> None:
+        """restartPolicy Always (or OnFailure after a failure): the kubelet brings the container back
+        after a back-off of 10 s doubling to 300 s (CrashLoopBackOff meanwhile, the last run in
+        lastState). Unlike a kubelet, the back-off never resets after a long run: stricter, not looser."""
+        kill_pod_processes(local, grace_s=5.0)  # what the container left (its PID namespace ends)
+        last_state = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": "Completed" if exit_code == 0 else "Error",
+                "startedAt": local.started_at,
+                "finishedAt": _rfc3339(_now()),
+                **(
+                    {"message": message}
+                    if (message := self._termination_message(pod, local, exit_code))
+                    else {}
+                ),
+            }
+        }
+        local.restarts += 1
+        local.ready = False if local.ready is not None else None
+        back_off_s = min(RESTART_BACK_OFF_S * 2 ** (local.restarts - 1), MAX_RESTART_BACK_OFF_S)
+        self._set_back_off(pod, restart_count=local.restarts, last_state=last_state, back_off_s=back_off_s)
+        deadline = time.monotonic() + back_off_s
+        while time.monotonic() < deadline:
+            if self._stop.wait(0.5) or local.stopping:
+                return
+        assert local.launch is not None
+        argv, env, cwd = local.launch
+        with self._lock:
+            if local.stopping or self._stop.is_set():
+                return
+            with open(local.log_path, "ab") as out:
+                local.process = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        if local.termination_log is not None:
+            local.termination_log.write_text("")  # a new run writes its own termination message
+        self._running(pod, local, last_state)
+        self._watch_exit(pod, local)
 
     def _termination_message(self, pod: Any, local: LocalPod, exit_code: int) -> str | None:
         """The file the container wrote, else (FallbackToLogsOnError, on failure) the log's tail."""
@@ -528,6 +650,14 @@ class LocalExecPods:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(self._ray_start_hook()), env.get("PYTHONPATH")) if p
             )
+        # A server's port (spec.environments[]): a free port of this machine instead of its container
+        # port, which every replica and job would otherwise share here (local_services).
+        local.labels = dict(pod.metadata.labels or {})
+        local.named_ports = {p.name: int(p.container_port) for p in container.ports or [] if p.name}
+        if local_services.ENV_SERVER_PORT in env and env[local_services.ENV_SERVER_PORT].isdigit():
+            declared = int(env[local_services.ENV_SERVER_PORT])
+            local.port_map[declared] = self._pod_port(namespace, local.name, declared)
+            env[local_services.ENV_SERVER_PORT] = str(local.port_map[declared])
         if self._automount_token(pod):
             env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
         env[POD_MARKER_ENV] = local.uid
@@ -591,7 +721,8 @@ class LocalExecPods:
         for folder in configmap_dirs:
             for path in folder.rglob("*"):
                 if path.is_file() and path.suffix in (".json", ".yaml", ".yml"):
-                    path.write_text(rewrite_json_paths(path.read_text(), mounts))
+                    text = rewrite_json_paths(path.read_text(), mounts)
+                    path.write_text(local_services.rewrite_service_urls(text, self._resolve_url))
         return mounts
 
     def _claim_host_path(self, namespace: str, volume: Any) -> str | None:
@@ -713,6 +844,85 @@ class LocalExecPods:
         path.write_text(yaml.safe_dump(kubeconfig))
         path.chmod(0o600)
         return path
+
+    # ---- Services of local pods (local_services: the kube-proxy of this machine) -------------------
+
+    def _pod_port(self, namespace: str, pod: str, port: int) -> int:
+        """The port of this machine standing for container port `port` of pod `namespace/pod`: one per
+        pod name (a recreated pod keeps it, as its DNS name), allocated by whichever asks first, the pod
+        or a URL naming it."""
+        with self._lock:
+            key = (namespace, pod, port)
+            if key not in self._pod_ports:
+                self._pod_ports[key] = _free_port()
+            return self._pod_ports[key]
+
+    def _resolve_url(self, namespace: str, service: str, pod: str | None, port: int) -> int | None:
+        """The local port an in-cluster URL reaches (`local_services.rewrite_service_urls`): a pod's own
+        name under its headless Service, or a Service."""
+        if pod is not None:
+            try:
+                svc = self._core.read_namespaced_service(service, namespace)
+            except ApiException:
+                return None
+            if svc.spec.cluster_ip not in (None, "None") and svc.spec.cluster_ip != "":
+                return None  # pod names resolve under headless Services only
+            return self._pod_port(namespace, pod, port)
+        return self._service_port(namespace, service, port)
+
+    def _service_port(self, namespace: str, service: str, port: int) -> int | None:
+        """The local port of Service `namespace/service`'s `port` (its proxy, started on first use), or
+        None when no such Service port exists. A headless Service has no port of its own: a URL's port
+        is the pods' port, as DNS gives their addresses."""
+        key = (namespace, service, port)
+        with self._lock:
+            if key in self._service_proxies:
+                proxy = self._service_proxies[key]
+                return proxy.port if proxy is not None else None
+        try:
+            svc = self._core.read_namespaced_service(service, namespace)
+        except ApiException:
+            return None
+        target: int | str | None = port if svc.spec.cluster_ip == "None" else None
+        for declared in svc.spec.ports or []:
+            if int(declared.port) == port:
+                target = declared.target_port if declared.target_port is not None else declared.port
+        if target is None:
+            return None
+        selector = dict(svc.spec.selector or {})
+        proxy = local_services.ServiceProxy(
+            f"{namespace}/{service}:{port}", lambda: self._ready_endpoints(namespace, selector, target)
+        )
+        with self._lock:
+            if key in self._service_proxies:  # another thread was first
+                proxy.close()
+                existing = self._service_proxies[key]
+                return existing.port if existing is not None else None
+            self._service_proxies[key] = proxy
+        return proxy.port
+
+    def _ready_endpoints(self, namespace: str, selector: dict[str, str], target: int | str) -> list[int]:
+        """Local ports of the ready, running local pods the Service selects, at its target port."""
+        ports = []
+        with self._lock:
+            pods = [p for p in self._by_name.values() if p.namespace == namespace]
+        for p in pods:
+            alive = p.process is not None and p.process.poll() is None and not p.stopping
+            if not (alive and p.ready is not False and local_services.selects(selector, p.labels)):
+                continue
+            number = (
+                p.named_ports.get(target) if isinstance(target, str) and not target.isdigit() else int(target)
+            )
+            if number is not None:
+                ports.append(p.port_map.get(number, number))
+        return sorted(ports)
+
+    def _close_service_proxies(self) -> None:
+        with self._lock:
+            proxies = [p for p in self._service_proxies.values() if p is not None]
+            self._service_proxies.clear()
+        for proxy in proxies:
+            proxy.close()
 
     def _stop_local_pods(self) -> None:
         with self._lock:
