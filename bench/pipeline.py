@@ -1,42 +1,55 @@
-"""Pipeline benchmark: steps per hour of the synchronous loop vs the asynchronous pipeline, measured
-against the ideal the synchronous run's own phases allow.
+"""Pipeline benchmark: steps per hour of the synchronous loop vs the asynchronous pipeline, and how
+close the asynchronous runs came to what their own phases allow.
 
 Role: measures what overlapping generation with training buys, and how much of what it could buy.
 Each run is the real trainer entry point, `python -m rljob_trainer`, on a private local Ray node: one
-training rank (one torch thread) and one dedicated transformers engine (one torch thread) as Ray
-actors in their own processes, weights over the engine's gloo group. A tiny Qwen2 built from a
-config (random weights, nothing downloaded) on the toy arithmetic task.
+training rank (one torch thread) and one dedicated vLLM engine (vLLM's CPU build, its worker on one
+thread: the actor's one Ray CPU) as Ray actors in their own processes, weights through the engine's
+fallback (the object store, then `collective_rpc` into vLLM's worker: vLLM's weight-transfer backends
+need CUDA). A tiny deep and thin Qwen2 built from a config (heads of 32, which vLLM's CPU attention
+takes; float32; random weights, nothing downloaded) on the toy arithmetic task. The engine is sized
+as the operator sizes one (`vllm_sizing`: a step's sequences, its KV bytes).
 
-Calibration (short synchronous runs in local mode: the same phases without Ray's start-up) sets two
-knobs, so it balances on any machine:
+Calibration sets two knobs, so it balances on any machine:
 - the batch (prompts per step, groups of 4) sets training against generation: a decode step of a
-  tiny model costs about the same for 8 or 64 sequences (per-layer overhead), while training costs
+  tiny model costs about the same for 8 or 64 sequences (per-step overhead), while training costs
   per token, so fewer prompts make training cheaper relative to generation and more make it
   dearer. Both phases are measured at two batches; each phase's power law through them gives the
   batch where they meet, and each further probe moves the batch along those laws to where its own
   phases would meet (the cap changes their ratio too: answers stop at EOS);
 - the response cap sets the step's length: both phases grow with it, so it is scaled until the
   slower phase takes `--target-s` (default 0.8 s), far from the regime where Ray calls and weight
-  syncs decide the ratio (the old calibration balanced at a 2-token cap: 0.1 s steps).
-Each probe times 4 steps (a step's generation lasts as long as its longest answer). The probes run
-in one process; when the synchronous run on Ray finds its phases more than 1.25x apart, its own
-phases are carried along the same power laws to a new batch and cap, and it runs again (at most
-twice).
+  syncs decide the ratio.
+A probe's generation is timed on one vLLM engine in this process, started once for every probe (a
+vLLM start costs 20-60 s here, a run per probe would pay it each time): a step's requests, the runs'
+sampling, 4 calls. Its training comes from a short synchronous run in local mode on the transformers
+engine (same model, same sampling, so the same answer lengths; no vLLM start), 4 timed steps. When
+the synchronous run on Ray finds its phases more than 1.25x apart, its own phases are carried along
+the same power laws to a new batch and cap, and it runs again (at most twice).
 
 Then the synchronous run (maxStaleness 0) and the asynchronous runs (maxStaleness 1, or each value
 of `--staleness`, truncated IS; with `--partial` also each with partial rollouts) use that config:
 sync, the first asynchronous configuration, the others, the first again, sync again. The headline
 figures pool the two synchronous runs and the first configuration's two runs (both pairs centred on
 the same moment), so a machine that drifts over the minutes between runs cancels to first order
-instead of reading as a gain or loss.
+instead of reading as a gain or loss. Each run starts its own engine: the runs are the real entry
+point, whose engine lives and dies with it.
 Steps/hour is over every step but the first and the last (sum of the driver's step times: waiting
 for rollouts, training, the weight sync and the step's bookkeeping): the first pays for start-up,
 and the last has nothing left to generate beside its training.
 
-The ideal comes from the synchronous run's own phases: per step generation g, training t and the
-serial rest s (the weight sync and the step's bookkeeping: the step time less g and t). Perfect
-overlap hides the shorter phase, so the ideal ratio is (g + t + s) / (max(g, t) + s) and the
-efficiency is ratio / ideal: 1.0 means the pipeline lost nothing to waits, Ray calls or syncs.
+The efficiency is taken from the asynchronous runs' own phases, step by step (`Overlap`): the
+trainer's work in a step (the step less its waits for rollouts), and the engine's (the generation
+that ran during the step, i.e. the batch trained k = maxStaleness steps later, plus the weight
+sync's own work); a perfect pipeline's step takes the larger of the two. Efficiency = ideal time /
+measured time over the timed steps, and ideal = ratio / efficiency: the ratio the asynchronous runs
+would read had they lost nothing to waits. At maxStaleness 1 both engine intervals lie inside the
+step they are counted in (the next batch cannot start before the step, the sync waits for it), so
+efficiency <= 1 holds by construction. What overlap costs each phase (the other process's
+contention) is inside the ideal, not the efficiency: the `contention` line shows it (each phase
+overlapped against alone), beside the ratio the synchronous phases alone would allow. An earlier
+ideal came from the synchronous runs' phases, so the overlapped phases of other runs could beat it
+(efficiency 1.11 read on a quiet machine).
 
 Overlap needs two free cores: the engine and the training rank each run one thread. On a shared
 machine (other jobs, hypervisor steal) the cores the bench really gets can be fewer, and then no
@@ -53,7 +66,10 @@ a parallel capacity below 1.6 (fewer than two free cores).
 (2-layer model, answers of up to 4 tokens, `--learning-rate` 3e-3) at maxStaleness 2 under each rollout
 correction (`spec.grpo.rolloutCorrection`), one Ray run each, and a table of the drift between the
 engine's policy and the trainer's (|log-prob gap|, KL, chi^2, what the correction truncated, masked or
-rejected) and the reward (first and last ten steps). It skips the calibration and the throughput runs.
+rejected) and the reward (first and last ten steps). It skips the calibration and the throughput runs,
+and keeps the transformers engine its table was measured on: 16 runs, a vLLM start each would add
+8-15 minutes, and the gap it tables is the lag's (vLLM's float32 log-probs equal the trainer's within
+1e-5, tests/integration/test_vllm_engine.py).
 
 Run: `.venv/bin/python bench/pipeline.py [--quick] [--staleness 1,2] [--partial] [--json]`. The last
 line is exactly
@@ -72,6 +88,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +96,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "trainer_image"))
 
+sys.path.insert(0, str(REPO / "operator"))
+
+from rljob_operator import estimator  # noqa: E402
+from rljob_operator.estimator import rollout as estimator_rollout  # noqa: E402
 from rljob_trainer import config  # noqa: E402
 from rljob_trainer.model import modeling  # noqa: E402
 
@@ -102,6 +123,37 @@ REBALANCE_RUNS = 2
 REBALANCE_AT = 1.25
 
 
+# A tiny deep and thin Qwen2 (random weights, built from this config in each run): heads of 32, a size
+# vLLM's CPU attention takes (`engines.platform.CPU_ATTENTION_HEAD_SIZES`); float32, which vLLM's CPU
+# build runs without AMX.
+BENCH_MODEL = modeling.tiny_hf_config(
+    32,
+    hidden_size=64,
+    num_hidden_layers=8,
+    intermediate_size=128,
+    num_attention_heads=2,
+    max_position_embeddings=512,
+)
+DTYPE = "float32"
+
+
+def vllm_sizing(sequences: int, max_model_len: int) -> dict[str, int]:
+    """The vLLM engine's scheduler and KV settings for a step of `sequences` requests, as the operator
+    sizes them (`rljob_operator.estimator`): max_num_seqs the step's sequences (one call per step),
+    one prefill of at least the step's prompts and never below the model length, and KV bytes for
+    every sequence at full length in vLLM's CPU blocks (plus its null block). Without the bytes vLLM's
+    CPU backend reserves 0.9 x the host's memory, and refuses to start on a shared machine."""
+    geometry = estimator.ModelGeometry.from_hf_config(BENCH_MODEL)
+    block = estimator_rollout.cpu_block_size_tokens(geometry)
+    blocks = sequences * -(-max_model_len // block) + 1
+    return {
+        "maxNumSeqs": sequences,
+        "maxNumBatchedTokens": max(2048, sequences, max_model_len),
+        # In the runs' dtype: "auto" is vLLM's --dtype auto, which serves a float32 checkpoint in bf16.
+        "cpuKvCacheBytes": blocks * block * geometry.kv_bytes_per_token(kv_cache_dtype=DTYPE),
+    }
+
+
 def make_config(
     *,
     steps: int,
@@ -112,6 +164,7 @@ def make_config(
     partial: bool = False,
     chunk: int | None = None,
     row_tokens: int = ROW_TOKENS,
+    engine: str = "vllm",
 ) -> config.TrainerConfig:
     grpo: dict[str, Any] = {
         "groupSize": GROUP_SIZE,
@@ -132,15 +185,8 @@ def make_config(
             "model": {
                 "name": "tiny-qwen2-bench",
                 "source": "tiny",
-                "hfConfig": modeling.tiny_hf_config(
-                    32,
-                    hidden_size=64,
-                    num_hidden_layers=8,
-                    intermediate_size=128,
-                    num_attention_heads=4,
-                    max_position_embeddings=512,
-                ),
-                "dtype": "float32",
+                "hfConfig": BENCH_MODEL,
+                "dtype": DTYPE,
                 "tokenizer": "builtin-digits",
                 "finetune": "full",
             },
@@ -148,13 +194,14 @@ def make_config(
             "grpo": grpo,
             "batching": {"packed": True, "dynamic": True, "maxTokensPerMicroBatch": row_tokens},
             "rollout": {
-                "kind": "transformers",
+                "kind": engine,
                 "sharedEngines": 0,
                 "dedicatedEngines": 1,
                 "maxDedicatedEngines": 1,
                 "engineNumCpus": 1,
                 "partialRollouts": partial,
                 "chunkPromptGroups": chunk,
+                **vllm_sizing(prompts * GROUP_SIZE, 8 + response_tokens),
             },
             "data": {"builtin": "toy-arithmetic"},
             "rewards": [{"name": "mathAccuracy"}],
@@ -187,9 +234,13 @@ def run(cfg: config.TrainerConfig, workdir: Path, name: str) -> list[dict[str, A
             text=True,
             check=False,
         )
-        # A loaded machine can miss Ray's fixed 30 s raylet start wait: start that run again.
-        if proc.returncode == 0 or "timed out during startup" not in proc.stderr or attempt == 2:
+        # A loaded machine can miss Ray's fixed 30 s raylet start wait, and a neighbour's memory
+        # spike can make Ray's memory monitor kill this run's actors: start that run again.
+        retry = "timed out during startup" in proc.stderr or "OutOfMemoryError" in proc.stderr
+        if proc.returncode == 0 or not retry or attempt == 2:
             break
+        why = "Ray's start timed out" if "timed out" in proc.stderr else "Ray killed it for memory"
+        print(f"{name}: run again ({why})")
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-4000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -218,36 +269,95 @@ class Phases:
         return 3600.0 / self.step_s
 
     @property
-    def ideal(self) -> float:
-        """The best ratio overlap can reach from these (synchronous) phases."""
+    def serial_ideal(self) -> float:
+        """The ratio perfect overlap would reach if each phase kept the time it takes alone (these
+        synchronous phases). Shown beside the figures, never their ideal: the overlapped phases are
+        timed in other runs, and this estimate read below the ratio measured (efficiency 1.11)."""
         g, t, s = self.generation_s, self.training_s, self.rest_s
         return (g + t + s) / (max(g, t) + s)
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """What the asynchronous runs' own phases allow, over the steps it judges (seconds, summed).
+
+    Per timed step i of a run with maxStaleness k: the trainer's own work is the step less its waits
+    for rollouts (`step_s - trainer_wait_s`: scoring, training, the sync's own work, bookkeeping);
+    the engine's is the generation that ran during step i, the batch of step i + k
+    (`generation_s` of row i + k), plus the weight sync's own work, which the engine cannot overlap
+    (`weight_sync_s` less the trainer's waits of the step, which hold the sync's wait for the call in
+    flight: a lower bound of the sync's own work). A perfect pipeline takes the slower of the two.
+    - maxStaleness 1 (the headline), one generate call per engine and step: step i+1's batch is
+      queued at step i's start (`RolloutPipeline.fill`, not before: it needs the weights synced at the
+      end of step i-1) and collected before step i's sync ends (`quiesce` waits for the call in
+      flight), so both engine intervals lie inside step i and neither overlaps the other; the ideal
+      step max(trainer, engine) is at most the step measured, and efficiency <= 1 holds by
+      construction, step by step.
+    - maxStaleness >= 2 (or partial rollouts): the engine may run a step further ahead, so a step's
+      work can move to the next one; the ideal is max(sum trainer, sum engine) over the run, with the
+      batch k steps later as the steady state's; not bounded by construction (a batch's generation
+      can straddle steps, and an interrupted one's `generation_s` spans the sync).
+    """
+
+    step_s: float
+    ideal_s: float
+    steps: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.ideal_s / self.step_s
+
+
+def overlap(runs: list[list[dict[str, Any]]], max_staleness: int) -> Overlap:
+    """`Overlap` of one asynchronous configuration's runs (pooled)."""
+    step_total = ideal_total = 0.0
+    steps = 0
+    for rows in runs:
+        trainer, engine, step = [], [], []
+        for i in timed_indices(rows):
+            j = i + max_staleness
+            if j >= len(rows):  # the batch generated during this step is never trained: no figure
+                continue
+            r = rows[i]
+            wait = float(r["trainer_wait_s"])
+            trainer.append(float(r["step_s"]) - wait)
+            engine.append(float(rows[j]["generation_s"]) + max(0.0, float(r["weight_sync_s"]) - wait))
+            step.append(float(r["step_s"]))
+        if max_staleness <= 1:
+            ideal_total += sum(max(a, b) for a, b in zip(trainer, engine, strict=True))
+        else:
+            ideal_total += max(sum(trainer), sum(engine))
+        step_total += sum(step)
+        steps += len(step)
+    return Overlap(step_total, ideal_total, steps)
+
+
 def contention(sync: Phases, overlapped: Phases) -> str:
-    """Where an efficiency below 1 goes. Each phase of the overlapped run against the same phase
-    alone (the synchronous run): above x1.00 the other phase's process slowed it (shared caches,
-    memory bandwidth, a neighbour on the host), which the ideal cannot count and the capacity probe,
-    a cache-resident matmul, does not see. And the share of the overlapped step its slower phase and
-    the serial rest explain: near 1.00 the pipeline itself hides all it can."""
+    """Where time goes besides waits (which the efficiency counts). Each phase of the overlapped run
+    against the same phase alone (the synchronous run): above x1.00 the other phase's process slowed
+    it (shared caches, memory bandwidth, a neighbour on the host), which the efficiency does not
+    count (its ideal is made of the overlapped phases) and the capacity probe, a cache-resident
+    matmul, does not see. And the ratio the synchronous phases alone would allow (`serial_ideal`)."""
 
     def slowdown(alone: float, together: float) -> float:
         return together / alone if alone > 0 else float("nan")
 
-    explained = (max(overlapped.generation_s, overlapped.training_s) + sync.rest_s) / overlapped.step_s
     generation = slowdown(sync.generation_s, overlapped.generation_s)
     training = slowdown(sync.training_s, overlapped.training_s)
     return (
         f"contention: overlapped, generation took x{generation:.2f} and training x{training:.2f} "
-        f"their time alone; the slower "
-        f"phase and the serial rest are {explained:.2f} of the overlapped step"
+        f"their time alone; the synchronous phases alone would allow a ratio of {sync.serial_ideal:.2f}"
     )
 
 
-def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def timed_indices(rows: list[dict[str, Any]]) -> range:
     """The steps that measure the steady state: not the first (warm-up) nor the last (nothing left to
     generate beside its training, so an asynchronous run's last step trains alone on a core)."""
-    return rows[1:-1] if len(rows) > 2 else rows[1:]
+    return range(1, len(rows) - 1) if len(rows) > 2 else range(1, len(rows))
+
+
+def timed_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [rows[i] for i in timed_indices(rows)]
 
 
 def phases(*runs: list[dict[str, Any]]) -> Phases:
@@ -272,7 +382,9 @@ def phases(*runs: list[dict[str, Any]]) -> Phases:
 
 @dataclass(frozen=True)
 class Figures:
-    """One asynchronous configuration against the synchronous run."""
+    """One asynchronous configuration against the synchronous runs. `efficiency` is the asynchronous
+    runs' ideal time over their measured time (`Overlap`); `ideal` = ratio / efficiency, the ratio
+    those runs would read had they lost nothing to waits."""
 
     label: str
     max_staleness: int
@@ -286,6 +398,7 @@ class Figures:
     partial_fraction: float
     staleness_tokens_mean: float
     async_phases: Phases
+    overlap: Overlap
 
     def line(self) -> str:
         return (
@@ -298,9 +411,10 @@ class Figures:
 def figures(
     label: str, sync: Phases, runs: list[list[dict[str, Any]]], *, max_staleness: int, partial: bool
 ) -> Figures:
-    """The asynchronous configuration's runs (pooled) against the synchronous run's phases."""
+    """The asynchronous configuration's runs (pooled) against the synchronous runs' step time."""
     a = phases(*runs)
     ratio = a.steps_per_hour / sync.steps_per_hour
+    ov = overlap(runs, max_staleness)
     rows = [r for run_rows in runs for r in run_rows]
     timed = [r for run_rows in runs for r in timed_rows(run_rows)]
     return Figures(
@@ -310,12 +424,13 @@ def figures(
         sync.steps_per_hour,
         a.steps_per_hour,
         ratio,
-        sync.ideal,
-        ratio / sync.ideal,
+        ratio / ov.efficiency,
+        ov.efficiency,
         max(int(r["rollout/staleness_max"]) for r in rows),
         sum(float(r.get("rollout/partial_fraction", 0.0)) for r in timed) / len(timed),
         sum(float(r.get("rollout/staleness_tokens_mean", 0.0)) for r in timed) / len(timed),
         a,
+        ov,
     )
 
 
@@ -410,17 +525,77 @@ def rebalanced(sync: Phases, prompts: int, tokens: int, laws: PowerLaws, target_
     return moved.prompts, scaled_tokens(moved, target_s)
 
 
+class GenerationTimer:
+    """The calibration's generation phase: one vLLM engine in this process, started once for every
+    probe (a start costs 20-60 s here), generating what a step of the runs generates: `prompts`
+    toy-task prompts x GROUP_SIZE at the response cap, the runs' sampling, seeds as the pipeline
+    draws them. Its weights are the runs' initial ones (the tiny model from `grpo.seed`), which the
+    runs' learning rate leaves as they are."""
+
+    def __init__(self, *, row_tokens: int = ROW_TOKENS) -> None:
+        from rljob_trainer import engines
+        from rljob_trainer.data import sources
+
+        # The engine's worker processes inherit it: one thread, as in the runs (the engine actor's
+        # one Ray CPU sets OMP_NUM_THREADS=1 there).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        self.cfg = make_config(
+            steps=1,
+            response_tokens=MAX_TOKENS,
+            prompts=MAX_PROMPTS,
+            max_staleness=0,
+            launcher="local",
+            row_tokens=row_tokens,
+        )
+        tokenizer = modeling.load_tokenizer(self.cfg.model)
+        examples, _ = sources.load_fitting_examples(
+            self.cfg.data, tokenizer, max_prompt_tokens=self.cfg.lengths.max_prompt_tokens
+        )
+        self._prompts = [sources.encode_data_prompt(tokenizer, e.prompt, self.cfg.data) for e in examples]
+        self._calls = 0
+        self.engine = engines.build_engine(self.cfg, name="calibration", colocated=False)
+        self.engine.load()
+        self.time(4, 8, calls=1)  # the first forward pays one-off set-up: not a probe's
+
+    def time(self, prompts: int, tokens: int, *, calls: int = CALIBRATION_STEPS - 2) -> float:
+        """Mean seconds of `calls` generate calls of one step's requests at cap `tokens`."""
+        from rljob_trainer.engines import base
+        from rljob_trainer.rollout import pipeline
+
+        g = self.cfg.grpo
+        walls = []
+        for _ in range(calls):
+            self._calls += 1
+            start = self._calls * prompts
+            requests = [
+                self._prompts[(start + p) % len(self._prompts)]
+                for p in range(prompts)
+                for _ in range(GROUP_SIZE)
+            ]
+            seeds = tuple(pipeline.sample_seed(g.seed, self._calls, i) for i in range(len(requests)))
+            sampling = base.SamplingSettings(g.temperature, g.top_p, tokens, seeds=seeds)
+            started = time.perf_counter()
+            self.engine.generate(requests, sampling)
+            walls.append(time.perf_counter() - started)
+        return statistics.fmean(walls)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
 def calibrate(
-    work: Path, *, target_s: float, log: Any, row_tokens: int = ROW_TOKENS
+    work: Path, timer: GenerationTimer, *, target_s: float, log: Any, row_tokens: int = ROW_TOKENS
 ) -> tuple[int, int, list[Probe], PowerLaws]:
     """(prompts, response cap, every probe, the phases' power laws in the batch): where
     generation ≈ training ≈ target_s."""
     probes: list[Probe] = []
 
     def probe(prompts: int, tokens: int) -> Probe:
-        # Local mode (rank and engine in this one process, still one thread each) times generation
-        # and training near what the Ray runs take, without their 25 s of Ray start-up; where the
-        # Ray run's phases still come out apart, `main` rebalances it from its own phases.
+        # Training from a local-mode run (rank and engine in one process, one thread each: the
+        # phases near the Ray runs' without their Ray start-up) on the transformers engine: the
+        # same model and sampling, so the same answer lengths, without a vLLM start per probe.
+        # Generation on the one vLLM engine of `timer`. Where the Ray run's phases still come out
+        # apart, `main` rebalances it from its own phases.
         cfg = make_config(
             steps=CALIBRATION_STEPS,
             response_tokens=tokens,
@@ -428,10 +603,10 @@ def calibrate(
             max_staleness=0,
             launcher="local",
             row_tokens=row_tokens,
+            engine="transformers",
         )
-        rows = run(cfg, work, "calibrate")
-        ph = phases(rows)
-        out = Probe(prompts, tokens, ph.generation_s, ph.training_s)
+        ph = phases(run(cfg, work, "calibrate"))
+        out = Probe(prompts, tokens, timer.time(prompts, tokens), ph.training_s)
         probes.append(out)
         log(
             f"calibration: {prompts} prompts x {GROUP_SIZE}, {tokens} tokens: generation "
@@ -708,9 +883,13 @@ def main() -> None:
         raise SystemExit("--staleness takes maxStaleness values >= 1, e.g. 1,2")
     with tempfile.TemporaryDirectory(prefix="rljob-bench-pipeline-") as tmp:
         work = Path(tmp)
-        prompts, tokens, probes, laws = calibrate(
-            work, target_s=args.target_s, row_tokens=args.row_tokens, log=print
-        )
+        timer = GenerationTimer(row_tokens=args.row_tokens)
+        try:
+            prompts, tokens, probes, laws = calibrate(
+                work, timer, target_s=args.target_s, row_tokens=args.row_tokens, log=print
+            )
+        finally:
+            timer.shutdown()  # its ~2 GiB and three processes are not the runs'
         print(f"calibration: {prompts} prompts x {GROUP_SIZE} at {tokens} response tokens")
         capacity = [parallel_capacity()]
         for attempt in range(REBALANCE_RUNS + 1):
@@ -754,6 +933,11 @@ def main() -> None:
             label = f"maxStaleness {k}" + (", partial rollouts" if partial else "")
             fig = figures(label, sync, runs[(k, partial)], max_staleness=k, partial=partial)
             print(_describe(f"async ({label}, {len(runs[(k, partial)])} runs)", fig.async_phases))
+            ov = fig.overlap
+            print(
+                f"overlap ({label}): {ov.steps} steps, ideal {ov.ideal_s / ov.steps:.2f} s a step from "
+                f"their own phases, measured {ov.step_s / ov.steps:.2f} s"
+            )
             print(contention(sync, fig.async_phases))
             results.append(fig)
         capacity.append(parallel_capacity())
@@ -770,7 +954,7 @@ def main() -> None:
                     "group_size": GROUP_SIZE,
                     "response_tokens": tokens,
                     "probes": [asdict(p) for p in probes],
-                    "sync": {**asdict(sync), "rest_s": sync.rest_s, "ideal": sync.ideal},
+                    "sync": {**asdict(sync), "rest_s": sync.rest_s, "serial_ideal": sync.serial_ideal},
                     "runs": [asdict(f) for f in results],
                     "parallel_capacity": capacity,
                     "degenerate": why,
