@@ -167,7 +167,7 @@ def test_printer_columns_show_the_patched_status(
             shared_engines=1, shared_engines_awake=1, dedicated_engines=0, last_decision="Hold"
         ),
         progress=api.ProgressStatus(
-            step=12, max_steps=20, mean_reward=0.75, loss=0.125, tokens_per_second=321.5
+            step=12, max_steps=20, mean_reward=0.75, eval_reward=0.5, loss=0.125, tokens_per_second=321.5
         ),
         restarts=0,
     )
@@ -177,10 +177,20 @@ def test_printer_columns_show_the_patched_status(
     )
 
     table = cluster.kubectl("get", "rljobs", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "MODE", "STEP", "REWARD", "TRAINER", "ROLLOUT", "AGE"]
-    assert table[1].split()[:7] == ["tiny-cpu", "Running", "static", "12", "0.75", "2", "1/1"]
+    assert table[0].split() == [
+        "NAME",
+        "PHASE",
+        "MODE",
+        "STEP",
+        "REWARD",
+        "EVAL",
+        "TRAINER",
+        "ROLLOUT",
+        "AGE",
+    ]
+    assert table[1].split()[:8] == ["tiny-cpu", "Running", "static", "12", "0.75", "0.5", "2", "1/1"]
     wide = cluster.kubectl("get", "rlj", "-n", namespace, "-o", "wide").stdout.splitlines()
-    assert wide[0].split()[-6:] == ["ACCELERATOR", "LOSS", "EVAL", "TOKENS/S", "QUEUE", "DECISION"]
+    assert wide[0].split()[-5:] == ["ACCELERATOR", "LOSS", "TOKENS/S", "QUEUE", "DECISION"]
     assert wide[1].split()[-3:] == ["0.125", "321.5", "Hold"]  # QUEUE is blank: no Kueue label
     # The category `all` lists RLJobs, and the selectable field filters on the resource mode.
     assert "rljob.rljob.io/tiny-cpu" in cluster.kubectl("get", "all", "-n", namespace, "-o", "name").stdout

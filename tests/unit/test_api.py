@@ -160,7 +160,7 @@ def test_crd_names_subresources_and_columns() -> None:
     version = body["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Phase", "Mode", "Step", "Reward", "Trainer", "Rollout", "Age"]
+    assert columns == ["Phase", "Mode", "Step", "Reward", "Eval", "Trainer", "Rollout", "Age"]
     schema = _crd_schema()
     for column in version["additionalPrinterColumns"]:
         if column["jsonPath"].startswith(".metadata."):

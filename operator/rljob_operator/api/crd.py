@@ -74,6 +74,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Mean reward of the last step.",
     },
     {
+        # In the default view: a job with spec.evaluation shows its held-out progress beside REWARD.
+        "name": "Eval",
+        "type": "number",
+        "jsonPath": ".status.progress.evalReward",
+        "description": "Mean reward of the latest held-out evaluation (spec.evaluation).",
+    },
+    {
         "name": "Trainer",
         "type": "integer",
         "jsonPath": ".status.plan.trainerAccelerators",
@@ -98,13 +105,6 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "type": "number",
         "jsonPath": ".status.progress.loss",
         "description": "Policy loss of the last step.",
-        "priority": 1,
-    },
-    {
-        "name": "Eval",
-        "type": "number",
-        "jsonPath": ".status.progress.evalReward",
-        "description": "Mean reward of the latest held-out evaluation (spec.evaluation).",
         "priority": 1,
     },
     {
