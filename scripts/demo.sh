@@ -104,7 +104,7 @@ kill "$watch_pid" 2>/dev/null || true
 echo "==> the adaptive decisions and rollout pod events of $job"
 kubectl get events --field-selector "involvedObject.name=$job" --sort-by=.lastTimestamp \
   -o custom-columns=TIME:.lastTimestamp,REASON:.reason,MESSAGE:.message | cut -c1-220 \
-  | grep -E "TIME|Adaptive|RolloutPod|PodsCreated" || true
+  | grep -E "TIME|Adaptive|SharedEngineWoken|RolloutPod|PodsCreated" || true
 [ "$phase" = "Succeeded" ] || { echo "$job ended '$phase'; see .rljob/operator.log and the pod logs" >&2; exit 1; }
 trap - EXIT  # the operator stays up with the cluster, for the other examples
 echo "The local cluster and the operator (pid $operator_pid, log .rljob/operator.log) are still up. Use them with:"
