@@ -364,6 +364,12 @@ INVALID_CASES: list[InvalidCase] = [
         "exactly one of value or secretKeyRef",
     ),
     InvalidCase(
+        "cel-environment-task-or-task-config",
+        {"spec.environments": [{"name": "arith", "task": "easy", "taskConfig": {"steps": 2}}]},
+        "spec.environments[0].taskConfig",
+        "at most one of task",
+    ),
+    InvalidCase(
         "cel-environment-own-image-needs-command",
         {"spec.environments": [{"name": "arith", "image": "example.com/env:1"}]},
         "spec.environments[0].command",

@@ -191,6 +191,13 @@ class EnvironmentSpec(_Spec):
 
     cel_rules: ClassVar[tuple[CelRule, ...]] = (
         CelRule(
+            rule="!has(self.task) || !has(self.taskConfig)",
+            message="spec.environments[]: set at most one of task (a name) or taskConfig (an object)",
+            field_path=".taskConfig",
+            reason="FieldValueForbidden",
+            check=lambda s: s.task is None or s.task_config is None,
+        ),
+        CelRule(
             rule="!has(self.image) || has(self.command)",
             message="spec.environments[].command is required with an image of your own (the default "
             "command, python -m " + DEFAULT_ENVIRONMENT_MODULE + ", is in the trainer image only)",
@@ -252,6 +259,19 @@ class EnvironmentSpec(_Spec):
     )
     timeout_seconds: float = Field(
         30.0, gt=0.0, le=3600.0, description="One reset or step running longer fails the episode."
+    )
+    task: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="What every reset asks of the environment, by name (the arithmetic environment: easy, "
+        "medium or hard). Default: the environment's own.",
+    )
+    task_config: dict[str, Any] | None = Field(
+        None,
+        description="What every reset asks of the environment, as an object it reads (the arithmetic "
+        "environment: {steps, max_operand}). Set task or taskConfig, not both.",
+        json_schema_extra={"maxProperties": 64},
     )
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict,

@@ -294,6 +294,7 @@ def _environment_settings(job: JobRef | None, spec: api.RLJobSpec) -> list[dict[
                 names.environment_replica_url(name, namespace, e.name, i, e.port) for i in range(e.replicas)
             ],
             "timeout_s": e.timeout_seconds,
+            "task": dict(e.task_config) if e.task_config is not None else e.task,
         }
         for e in spec.environments
     ]
