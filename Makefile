@@ -45,4 +45,5 @@ bench: setup
 	.venv/bin/python bench/estimator.py
 	.venv/bin/python bench/adaptive.py
 	.venv/bin/python bench/weight_sync.py
+	.venv/bin/python bench/engine.py
 	.venv/bin/python bench/pipeline.py
