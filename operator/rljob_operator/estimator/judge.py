@@ -178,6 +178,6 @@ def format_judge(plan: JudgePlan) -> str:
         f"judge: {plan.engines} engine(s) x TP {plan.tensor_parallel} = {plan.accelerators} accelerator(s), "
         f"maxNumSeqs {plan.max_num_seqs}, maxNumBatchedTokens {plan.max_num_batched_tokens}, "
         f"maxModelLen {plan.max_model_len}, KV {plan.kv_cache_bytes / 2**30:.2f} GiB/rank "
-        f"({plan.kv_cache_tokens} tokens), CPU KV {plan.cpu_kv_cache_bytes} B"
+        f"({plan.kv_cache_tokens} tokens), CPU KV {plan.cpu_kv_cache_bytes / 2**30:.2f} GiB"
     )
     return "\n".join([head, *(f"  - {r}" for r in plan.reasons)])
