@@ -39,7 +39,9 @@ def cpu_rljob(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]
                 "acceleratorsPerNode": 1,
                 "mode": "static",
                 "static": {"trainerAccelerators": 2, "rolloutAccelerators": 1},
-                "rollout": {"tensorParallel": 1},
+                # The transformers engine: TINY_CONFIG's head size (8) is one vLLM's CPU attention
+                # refuses (UnsupportedHeadSize), and these jobs are about quota, not engines.
+                "rollout": {"tensorParallel": 1, "kind": "transformers"},
                 "memory": "2Gi",  # the quota arithmetic below (a vLLM cpu job's default is 6Gi)
             },
         },

@@ -227,7 +227,7 @@ def test_extra_engines_wait_for_quota_and_are_preempted_before_the_core(
                 "cooldownSeconds": 0,
             },
             # A preempted engine drains within min(drainGraceSeconds, checkpointGraceSeconds): 6 s.
-            "rollout": {"tensorParallel": 1, "drainGraceSeconds": 300},
+            "rollout": {"tensorParallel": 1, "drainGraceSeconds": 300, "kind": "transformers"},
         }
     )
     job["spec"]["preemption"] = {"checkpointGraceSeconds": 6}

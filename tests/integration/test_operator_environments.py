@@ -305,3 +305,62 @@ def test_a_broken_environment_is_named_in_status_and_an_event_and_the_trainers_k
             return envs.get("secretless", {}).get("readyReplicas") == 1
 
         wait_for("the server with its Secret ready", secretless_ready, timeout_s=90)
+
+
+def test_a_queued_jobs_environments_are_in_its_kueue_workload_and_placed_on_its_flavor(
+    cluster: Any,
+    crd: None,
+    kueue: Any,
+    namespace: str,
+    pool: Callable[..., str],
+    kubeconfig_env: None,
+) -> None:
+    """The real Kueue admits the job's environment servers with its core (podSet environment-<name>,
+    its requests counted in the quota), and the servers go to the admitted flavor's nodes."""
+    from test_kueue import cpu_rljob
+
+    from testenv import kueue as kueue_env
+
+    pool_name = pool(4, per_node=1, resource=None)
+    flavor, cq = f"flavor-{namespace}"[:63], f"cq-{namespace}"[:63]
+    queues = kueue_env.queue_manifests(
+        namespace=namespace,
+        flavor=flavor,
+        cluster_queue=cq,
+        local_queue="team-queue",
+        quota={"cpu": "4", "memory": "8Gi"},
+        node_labels={"pool": pool_name},
+    )
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(queues))
+    job = cpu_rljob("queued", {"kueue.x-k8s.io/queue-name": "team-queue"})
+    job["spec"]["environments"] = [{"name": "arith", "resources": {"cpu": "500m", "memory": "512Mi"}}]
+    try:
+        with operator(namespace):
+            apply(cluster, namespace, job)
+
+            def admitted() -> dict[str, Any]:
+                wl = cluster.get_json("workload", "rljob-queued", namespace=namespace) or {}
+                conds = (wl.get("status") or {}).get("conditions") or []
+                return wl if any(c["type"] == "Admitted" and c["status"] == "True" for c in conds) else {}
+
+            wl = wait_for("the job's Workload admitted", admitted, timeout_s=90)
+            sets = {s["name"]: s for s in wl["spec"]["podSets"]}
+            assert {name: s["count"] for name, s in sets.items()} == {
+                "trainer": 2,
+                "rollout": 1,
+                "environment-arith": 1,
+            }
+            requests = sets["environment-arith"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+            assert requests == {"cpu": "500m", "memory": "512Mi"}
+
+            def placed() -> list[dict[str, Any]]:
+                found = pods_of(cluster, namespace, "rljob.io/environment=arith")
+                return found if found and found[0]["spec"].get("nodeName") else []
+
+            (server,) = wait_for("the environment pod bound", placed, timeout_s=60)
+            assert server["spec"]["nodeSelector"] == {"pool": pool_name}  # the flavor's nodeLabels
+            assert server["spec"]["nodeName"].startswith(pool_name)
+    finally:
+        cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
