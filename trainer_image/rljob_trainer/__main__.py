@@ -50,6 +50,8 @@ def ray_resource_args(env: Mapping[str, str], role: str, pod_index: int) -> list
         resources["NPU"] = count
     if role == config_mod.ROLE_ROLLOUT:
         resources[config_mod.rollout_resource_name(pod_index)] = 1
+    elif role == config_mod.ROLE_JUDGE:  # the driver places judge engine k on it (runtimes.create_judge)
+        resources[config_mod.judge_resource_name(pod_index)] = 1
     else:
         resources[config_mod.trainer_resource_name(pod_index)] = max(count, 1)
     args.append("--resources=" + json.dumps(resources, sort_keys=True))
@@ -117,13 +119,15 @@ def _start_ray_driver(cfg: config_mod.TrainerConfig, env: Mapping[str, str], loc
             config_mod.rollout_resource_name(j): 1 for j in range(local_rollout_pods)
         }
         resources.update({config_mod.trainer_resource_name(i): n for i, n in enumerate(d.pod_ranks)})
+        judges = cfg.judge.engines if cfg.judge is not None else 0
+        resources.update({config_mod.judge_resource_name(k): 1 for k in range(judges)})
         accelerators = d.num_trainer_ranks + local_rollout_pods * r.tensor_parallel
         if d.accelerator == "NPU":
             resources["NPU"] = accelerators
         num_cpus = (
             int(
                 d.num_trainer_ranks * d.rank_num_cpus
-                + (r.shared_engines + local_rollout_pods) * r.engine_num_cpus
+                + (r.shared_engines + local_rollout_pods + judges) * r.engine_num_cpus
             )
             + 1
         )
@@ -171,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pod_index = int(env.get(config_mod.ENV_POD_INDEX, "0"))
     if role not in config_mod.ROLES:
         p.error(f"{config_mod.ENV_ROLE}={role!r}; valid: {', '.join(config_mod.ROLES)}")
-    if role == config_mod.ROLE_ROLLOUT or pod_index > 0:
+    if role in (config_mod.ROLE_ROLLOUT, config_mod.ROLE_JUDGE) or pod_index > 0:
         cmd = ray_worker_command(env, role, pod_index, _ray_bin())
         log.info("joining the Ray cluster: %s", " ".join(cmd))
         os.execv(cmd[0], cmd)  # exec drops our handler; `ray start --block` installs its own

@@ -58,7 +58,8 @@ ENV_TEST_CPU_STANDIN = "RLJOB_TEST_CPU_STANDIN"
 
 ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
-ROLES: tuple[str, ...] = (ROLE_TRAINER, ROLE_ROLLOUT)
+ROLE_JUDGE = "judge"
+ROLES: tuple[str, ...] = (ROLE_TRAINER, ROLE_ROLLOUT, ROLE_JUDGE)
 
 DEFAULT_CONFIG_PATH = "/etc/rljob/trainer.json"
 CONFIGMAP_KEY = "trainer.json"
@@ -69,9 +70,8 @@ ROLLOUT_RESOURCE_PREFIX = "rljob_rollout_"
 # Ray custom resource that marks trainer pod i (one unit per bundle of its placement group).
 TRAINER_RESOURCE_PREFIX = "rljob_trainer_"
 # The judge's pods (`<job>-judge-<k>`, `judge.engines` of them): Ray workers like rollout pods, each
-# advertising `rljob_judge_<k>: 1`; the driver places judge engine k on it. ROLE_JUDGE is not in ROLES
-# until `__main__` starts judge pods as Ray workers (the trainer image's side of the contract).
-ROLE_JUDGE = "judge"
+# advertising `rljob_judge_<k>: 1` (`__main__` starts them as Ray workers, ROLE_JUDGE); the driver
+# places judge engine k on it (`runtimes.RayRuntime.create_judge`).
 JUDGE_RESOURCE_PREFIX = "rljob_judge_"
 
 # Ray's names for the accelerators of each Kubernetes accelerator kind.

@@ -21,6 +21,7 @@ Callers: `rljob_trainer.__main__`, integration tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -31,7 +32,7 @@ from typing import Any
 
 from rljob_trainer import config as config_mod
 from rljob_trainer import dp_balance, runtimes
-from rljob_trainer.data import evaluation, rewards, sources
+from rljob_trainer.data import evaluation, judge, rewards, sources
 from rljob_trainer.engines import base as engine_base
 from rljob_trainer.model import modeling
 from rljob_trainer.outputs import checkpoint, export, telemetry, telemetry_sink, tracking
@@ -170,6 +171,9 @@ class GRPODriver:
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
         self.skip_guard = train_metrics.SkipGuard(cfg.grpo.max_skipped_steps)
         self.evaluator = evaluation.Evaluator.from_config(cfg, self.tokenizer) if cfg.evaluation else None
+        # spec.reward.judge: a served model's scores, on engines of its own (started in setup).
+        self.judge = judge.Judge(cfg, runtime) if cfg.judge else None
+        self._judge_metrics: dict[str, float] = {}
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -191,6 +195,8 @@ class GRPODriver:
         self.pipeline.start_at(self.state.sampler, self.state.step + 1)
         self.reconcile_dedicated()
         self.placement = self.check_placement()
+        if self.judge is not None:
+            self.judge.start()
         self._sync_awake_engines()
         self.sleep_shared_engines()
         self._last_sync = self.clock()
@@ -606,13 +612,46 @@ class GRPODriver:
         if self.agent_loop is not None and self.agent_loop.environment:
             # The environment's reward (the sum of its steps', or the final one `done` gave).
             env = [float(getattr(o, "env_reward", None) or 0.0) for o in outs]
-            return dynamic_sampling.ScoredBatch(
+            tasks = [self.tokenizer.decode(list(o.prompt_token_ids), skip_special_tokens=True) for o in outs]
+            batch = dynamic_sampling.ScoredBatch(
                 outs, example_ids, list(job.group_ids), env, {"environment": env}
             )
+            return self._with_judge(batch, tasks, completions, [e.answer for e in exs])
         totals, parts = self.reward_fn.score_batch(
             [e.prompt for e in exs], completions, [e.answer for e in exs]
         )
-        return dynamic_sampling.ScoredBatch(outs, example_ids, list(job.group_ids), totals, parts)
+        batch = dynamic_sampling.ScoredBatch(outs, example_ids, list(job.group_ids), totals, parts)
+        return self._with_judge(batch, [e.prompt for e in exs], completions, [e.answer for e in exs])
+
+    def _with_judge(
+        self,
+        batch: dynamic_sampling.ScoredBatch,
+        prompts: list[str],
+        completions: list[str],
+        answers: list[str],
+    ) -> dynamic_sampling.ScoredBatch:
+        """The judge's scores added to the rewards (weight judge.weight, part `judge`); a response it
+        could not score is marked `unscored` (its advantage is 0: `agent.advantage_groups`)."""
+        if self.judge is None:
+            return batch
+        scored = self.judge.score(prompts, completions, answers)
+        acc = self._judge_metrics
+        for k, v in scored.metrics.items():  # summed over the step's generation rounds
+            acc[k] = acc.get(k, 0.0) + (v * scored.metrics["judge/scored"] if k == "judge/mean_score" else v)
+        w = self.judge.settings.weight
+        part = [s or 0.0 for s in scored.scores]
+        outs = [
+            o if s is not None else dataclasses.replace(o, meta={**o.meta, "unscored": "judge"})
+            for o, s in zip(batch.outputs, scored.scores, strict=True)
+        ]
+        totals = [t + w * p for t, p in zip(batch.totals, part, strict=True)]
+        return dataclasses.replace(batch, outputs=outs, totals=totals, parts={**batch.parts, "judge": part})
+
+    def _take_judge_metrics(self) -> dict[str, float]:
+        m, self._judge_metrics = self._judge_metrics, {}
+        if "judge/scored" in m:  # the mean over every scored response of the step's rounds
+            m["judge/mean_score"] = m["judge/mean_score"] / max(1.0, m["judge/scored"])
+        return m
 
     @property
     def lookahead(self) -> int:
@@ -703,6 +742,7 @@ class GRPODriver:
             "data/dropped_prompts": self.dropped_prompts,
             **pipeline.rollout_step_metrics(outs, step - 1),
             **agent.agent_step_metrics(outs, env_failures=self.pipeline.take_env_failures()),
+            **self._take_judge_metrics(),
             "trainer_wait_s": self.pipeline.trainer_wait_s,
             "lookahead": self.lookahead,
             "response_len_mean": sum(resp_lens) / len(resp_lens),
@@ -860,6 +900,8 @@ class GRPODriver:
         self.tracker.close()
         if self.agent_loop is not None:
             self.agent_loop.close()
+        if self.judge is not None:
+            self.judge.shutdown()
         self._shutdown_engines({name: eng.handle for name, eng in self.engines.items()})
         for r in self.ranks:
             try:

@@ -306,6 +306,10 @@ class LocalRuntime:
         del pod_index
         return Host("engine", self.cfg, name=name, colocated=colocated)
 
+    def create_judge(self, index: int, cfg: config_mod.TrainerConfig) -> Any:
+        """Judge engine `index`, built from the judge's config (`data.judge.judge_engine_config`)."""
+        return Host("engine", cfg, name=f"judge-{index}", colocated=False)
+
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return _Done(handle.call(method, *args, **kwargs))
 
@@ -459,6 +463,20 @@ class RayRuntime:
         return self._host_cls.options(**self._options(slot)).remote(
             "engine", self.cfg, name=name, colocated=colocated, engine_kwargs=engine_kwargs
         )
+
+    def create_judge(self, index: int, cfg: config_mod.TrainerConfig) -> Any:
+        """Judge engine `index` on judge pod `index` (`rljob_judge_<k>`), with the accelerators of its
+        tensor parallelism, built from the judge's config (`data.judge.judge_engine_config`)."""
+        tp = cfg.rollout.tensor_parallel
+        accelerator = self.cfg.distributed.accelerator
+        resources: dict[str, float] = {config_mod.judge_resource_name(index): 1}
+        if accelerator == "NPU":
+            resources["NPU"] = tp
+        return self._host_cls.options(
+            num_cpus=self.cfg.rollout.engine_num_cpus,
+            num_gpus=tp if accelerator == "GPU" else 0,
+            resources=resources,
+        ).remote("engine", cfg, name=f"judge-{index}", colocated=False, engine_kwargs={})
 
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return handle.call.remote(method, *args, **kwargs)

@@ -411,13 +411,14 @@ def completion_text(out: base.GenerationOutput, decode: Any) -> str:
 
 
 def advantage_groups(outputs: Sequence[base.GenerationOutput], group_ids: Sequence[int]) -> list[int]:
-    """The group of each sample for the advantage: its prompt's, except a failed episode's, which is
-    a group of its own (advantage 0, `algos.compute_grpo_advantages`), so its placeholder reward never
-    moves its group's mean or std; it trains nothing either (its loss mask is 0)."""
+    """The group of each sample for the advantage: its prompt's, except a failed episode's or a
+    response the judge could not score (`meta["unscored"]`), which is a group of its own (advantage 0,
+    `algos.compute_grpo_advantages`), so its placeholder reward never moves its group's mean or std;
+    a failed episode trains nothing either (its loss mask is 0)."""
     fresh = max(group_ids, default=-1) + 1
     out = []
     for o, g in zip(outputs, group_ids, strict=True):
-        if getattr(o, "failure", None) is not None:
+        if getattr(o, "failure", None) is not None or o.meta.get("unscored"):
             out.append(fresh)
             fresh += 1
         else:
