@@ -182,3 +182,18 @@ def test_a_turn_interrupted_at_a_sync_resumes_and_keeps_each_tokens_version() ->
         assert TOK.decode(o.token_ids).startswith(CALL + TOK.eos_token)  # one call, across the sync
         assert o.turns == 2
     loop.close()
+
+
+def test_evaluation_episodes_run_in_calls_of_their_own_at_their_sampling() -> None:
+    pipe, (a, b), _, loop = _pipeline(_cfg())  # steps 1 and 2 are queued, nothing dispatched yet
+    prompt = loop.prompt_ids("What is 2+2?")
+    outs = pipe.run_episodes([prompt] * 3, [7, 8, 9], temperature=0.0, top_p=0.5)
+    assert len(outs) == 3 and all(o.turns == 2 and o.tool_calls == 1 for o in outs)
+    eval_calls = [c for e in (a, b) for c in e.calls if c.sampling.temperature == 0.0]
+    assert eval_calls and all(c.sampling.top_p == 0.5 for c in eval_calls)
+    for call in eval_calls:  # nothing of the training steps rode along at the evaluation's sampling
+        assert all(TOK.decode(p).startswith(TOK.decode(prompt)) for p in call.prompts)
+    assert all(c.sampling.temperature == 1.0 for e in (a, b) for c in e.calls if c not in eval_calls)
+    assert not any(k < 0 for k in pipe.jobs)  # the evaluation's job is gone, the steps' remain
+    assert pipe.wait_for_batch(1).complete
+    loop.close()

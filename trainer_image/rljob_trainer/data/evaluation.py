@@ -124,6 +124,9 @@ class Evaluator:
     def run(self, owner: EvalOwner, step: int, *, tokenizer: Any | None = None) -> dict[str, float]:
         """Generate and score the held-out prompts on the engines that serve now; the `eval/*` metrics."""
         t0 = time.monotonic()
+        loop = getattr(owner, "agent_loop", None)
+        if loop is not None:
+            return self._run_episodes(owner, loop, step, t0)
         owner.prepare_generation()
         try:
             names = sorted(n for n, e in owner.engines.items() if e.awake)
@@ -166,10 +169,43 @@ class Evaluator:
         )
         metrics = summarize(totals, parts, [len(o.token_ids) for o in outs])
         metrics["eval/seconds"] = time.monotonic() - t0
+        return self._logged(metrics, step)
+
+    def _run_episodes(self, owner: EvalOwner, loop: Any, step: int, t0: float) -> dict[str, float]:
+        """A multi-turn job (spec.rollout.agent): the held-out prompts as episodes, their tools offered
+        (or its environment's resets, one seed a request), run by the pipeline on the engines that
+        serve now in calls of their own (`RolloutPipeline.run_episodes`), scored as training scores
+        them: the model's own turns by the job's rewards, or the environment's reward."""
+        k = self.settings.samples_per_prompt
+        example_ids = [i for i in range(len(self.examples)) for _ in range(k)]
+        prompts = [] if loop.environment else [loop.prompt_ids(self.examples[i].prompt) for i in example_ids]
+        outs = owner.pipeline.run_episodes(
+            prompts,
+            [EVAL_SEED + i for i in range(len(example_ids))],
+            temperature=self.settings.temperature,
+            top_p=self.settings.top_p,
+        )
+        exs = [self.examples[i] for i in example_ids]
+        if loop.environment:
+            totals = [float(o.env_reward or 0.0) for o in outs]
+            parts: dict[str, Any] = {"environment": totals}
+        else:
+            completions = ["\n".join(o.turn_texts) for o in outs]
+            totals, parts = owner.reward_fn.score_batch(
+                [e.prompt for e in exs], completions, [e.answer for e in exs]
+            )
+        metrics = summarize(totals, parts, [sum(o.loss_mask) for o in outs])  # generated tokens
+        metrics["eval/turns_mean"] = sum(o.turns for o in outs) / max(len(outs), 1)
+        metrics["eval/tool_calls_mean"] = sum(o.tool_calls for o in outs) / max(len(outs), 1)
+        metrics["eval/seconds"] = time.monotonic() - t0
+        return self._logged(metrics, step)
+
+    @staticmethod
+    def _logged(metrics: dict[str, float], step: int) -> dict[str, float]:
         log.info(
             "evaluation after step %s: mean reward %.4f over %d samples",
             step,
             metrics["eval/mean_reward"],
-            len(totals),
+            int(metrics["eval/samples"]),
         )
         return metrics

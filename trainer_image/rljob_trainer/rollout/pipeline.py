@@ -102,6 +102,8 @@ class GenJob:
     episodes: dict[int, agent.Episode | None] | None = None
     # Multi-turn jobs: each prompt group's reset seed and task (environments).
     tasks: list[tuple[int, str | None]] = field(default_factory=list)
+    # (temperature, top_p) of this job's requests when not the training's (evaluation).
+    sampling: tuple[float, float] | None = None
 
     @property
     def complete(self) -> bool:
@@ -129,6 +131,8 @@ class SideCall:
     turn_cut: bool = False  # step: the turn stopped at the episode's budget
 
 
+# Job keys of evaluation runs (below any dynamic-sampling key, -(step * 1000 + round)).
+EVAL_KEY = -(10**12)
 # How often `pump` looks at tool and environment calls while it waits for the engines.
 SIDE_POLL_S = 0.02
 
@@ -184,6 +188,7 @@ class RolloutPipeline:
         self.agent = agent_loop
         self.side: dict[concurrent.futures.Future[Any], SideCall] = {}
         self.env_failures = 0  # episodes failed by their environment since the last step's metrics
+        self._eval_runs = 0
         self._request_of: dict[int, tuple[int, int]] = {}
         self._sampler = sources.SamplerState()
         self._next_step = 1
@@ -399,9 +404,43 @@ class RolloutPipeline:
         self.owner.sleep_shared_engines()
         return self.jobs.pop(key)
 
-    def _admit(self, current: int) -> None:
+    def run_episodes(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float, top_p: float
+    ) -> list[base.GenerationOutput]:
+        """Evaluation's episodes (`data.evaluation`): one per prompt (with an environment: per reset seed,
+        its prompts unused), sampled at `temperature`/`top_p`, on the engines that serve now (shared
+        ones woken and put back to sleep), in generate calls of their own; blocks until all are done."""
+        if self.agent is None:
+            raise ValueError("run_episodes needs an agent loop")
+        self._eval_runs += 1
+        key = EVAL_KEY - self._eval_runs
+        n = len(seeds)
+        env = self.agent.environment
+        job = GenJob(
+            key,
+            list(range(n)),
+            self._sampler,
+            list(range(n)),
+            [[] for _ in range(n)] if env else [list(p) for p in prompts],  # env: its resets say
+            list(seeds),
+            [None] * n,
+        )
+        job.episodes, job.sampling = {}, (temperature, top_p)
+        job.tasks = [(int(seed), None) for seed in seeds]
+        self.jobs[key] = job
+        for i in range(n):
+            self._start_episode(job, key, i)
+        self.owner.prepare_generation()
+        try:
+            self.pump(lambda: job.complete, current=key, only=key)
+        finally:
+            self.owner.sleep_shared_engines()
+        return [o for o in self.jobs.pop(key).outputs if o is not None]
+
+    def _admit(self, current: int, only: int | None = None) -> None:
         """Hand queued requests to idle awake engines, one generate call per engine at a time:
-        shared engines take only step `current`'s, dedicated ones the oldest of any step."""
+        shared engines take only step `current`'s, dedicated ones the oldest of any step (only job
+        `only`'s when given: an evaluation's calls hold nothing else)."""
         busy = {c.engine for c in self.calls.values()}
         idle = [n for n, e in self.engines.items() if e.awake and n not in busy]
         if not idle:
@@ -417,7 +456,10 @@ class RolloutPipeline:
         if shared and current_ids:  # they serve the step the trainer waits for: its share at once
             batches.update(self.dispatcher.admit(share, engines=shared, requests=current_ids))
         if dedicated:
-            batches.update(self.dispatcher.admit(per_chunk, engines=dedicated))
+            mine = (
+                {rid for rid, (st, _) in self._request_of.items() if st == only} if only is not None else None
+            )
+            batches.update(self.dispatcher.admit(per_chunk, engines=dedicated, requests=mine))
         for name, ids in batches.items():
             self._submit_generate(name, ids)
 
@@ -444,9 +486,11 @@ class RolloutPipeline:
             budgets.append(ep.remaining - len(have))
             seeds.append(resumed_seed(job.seeds[i], len(ep.token_ids) + len(have)))
         agent_turns = any(self.jobs[st].episodes is not None for st, _ in where)
+        # A call holds one job's requests when that job samples otherwise (`_admit(only=...)`).
+        temperature, top_p = self.jobs[where[0][0]].sampling or (g.temperature, g.top_p)
         sampling = base.SamplingSettings(
-            temperature=g.temperature,
-            top_p=g.top_p,
+            temperature=temperature,
+            top_p=top_p,
             max_tokens=cap,
             seeds=tuple(seeds),
             max_tokens_per_request=tuple(budgets)
@@ -514,13 +558,14 @@ class RolloutPipeline:
         current: int | None = None,
         admit: bool = True,
         also: Sequence[Any] = (),
+        only: int | None = None,
     ) -> None:
         """Run the pipeline (admit, collect, drop hung engines) until `done()`; `also` are other futures
         (the ranks' training) whose completion is a reason to re-check `done`."""
         timeout = self.cfg.rollout.engine_timeout_s
         while not done():
             if admit and current is not None:
-                self._admit(current)
+                self._admit(current, only)
             if not self.calls and not also:
                 if self._pending():  # only tools or environments at work: wait for one of them
                     self._wait_side(1.0)
