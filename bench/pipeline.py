@@ -104,7 +104,7 @@ from rljob_trainer import config  # noqa: E402
 from rljob_trainer.model import modeling  # noqa: E402
 
 GROUP_SIZE = 4
-MIN_PROMPTS, MAX_PROMPTS = 1, 32
+MIN_PROMPTS, MAX_PROMPTS = 1, 64
 MIN_TOKENS, MAX_TOKENS = 8, 480
 MIN_STEP_S = 0.5  # below this, Ray call and weight-sync overheads decide the ratio
 MAX_REST_FRACTION = 0.3
@@ -617,7 +617,7 @@ def calibrate(
     def imbalance(p: Probe) -> float:
         return abs(math.log(p.generation_s / p.training_s))
 
-    a, b = probe(4, 48), probe(16, 48)
+    a, b = probe(8, 48), probe(32, 48)
     # Each phase's power law in the batch, from the two probes at one cap (generation flat, training
     # about linear): how the phases move when the batch changes at any cap.
     span = math.log(b.prompts / a.prompts)
@@ -842,7 +842,7 @@ def _describe(name: str, ph: Phases) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps per run (about 4 minutes on 2 cores)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 8 quick, 18 full)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 10 quick, 18 full)")
     p.add_argument(
         "--staleness", default="1", help="maxStaleness values of the asynchronous runs, comma-separated"
     )
@@ -877,7 +877,7 @@ def main() -> None:
             print(json.dumps(rows))
         print(render_corrections(rows, steps=args.steps or 60, seeds=seeds, learning_rate=lr))
         return
-    steps = args.steps or (8 if args.quick else 18)
+    steps = args.steps or (10 if args.quick else 18)
     staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     if not staleness or min(staleness) < 1:
         raise SystemExit("--staleness takes maxStaleness values >= 1, e.g. 1,2")
