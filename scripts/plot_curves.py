@@ -46,11 +46,15 @@ def plot(scalars: dict[str, list[tuple[int, float]]], out: Path, title: str) -> 
     steps, values = zip(*scalars[EVAL_TAG], strict=True)
     right.plot(steps, values, color="#d62728", linewidth=1.6, marker="o")
     for s, v in zip(steps, values, strict=True):
-        right.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        right.annotate(f"{v:.3f}", (s, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     right.set(title="held-out accuracy (greedy; step 0 = before training)", xlabel="step", ylabel="accuracy")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.set_ylim(bottom=0)
+        top = max(line.get_ydata().max() for line in ax.get_lines())
+        ax.set_ylim(0, max(top * 1.3, 0.05))  # room for the value labels under the title
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
