@@ -242,7 +242,7 @@ class Episode:
     failure: str | None = None
     started_s: float | None = None  # the pipeline's clock: first turn dispatched (or reset sent)
     finished_s: float | None = None
-    wait_s: float = 0.0  # seconds in tool calls and environment calls (wall, as the pipeline waited)
+    wait_s: float = 0.0  # seconds its tool and environment calls ran (on the agent loop's threads)
 
     @property
     def context(self) -> list[int]:

@@ -330,16 +330,16 @@ class RolloutPipeline:
             return  # its job was dropped meanwhile
         loop = self.agent
         assert loop is not None
-        now = self.clock()
         if call.kind == "tools":
             ep = self._episode(call.key, call.index)
-            ep.wait_s += now - call.submitted
-            if loop.observe_tools(ep, fut.result()):
+            done = fut.result()
+            ep.wait_s += done.seconds  # as the calls ran on the loop's thread
+            if loop.observe_tools(ep, done):
                 self._queue_turn(call.key, call.index, ep)
             else:
                 self._finish_episode(call.key, call.index)
             return
-        result, _ = fut.result()
+        result, seconds = fut.result()
         if call.kind == "reset":
             if not isinstance(result, environment_client.EnvironmentCallError):
                 try:
@@ -354,13 +354,13 @@ class RolloutPipeline:
                 job.episodes[call.index] = ep
                 self._fail_episode(call.key, call.index, result, call.submitted)
                 return
-            ep.started_s, ep.wait_s = call.submitted, now - call.submitted
+            ep.started_s, ep.wait_s = call.submitted, seconds
             job.episodes[call.index] = ep
             job.prompts[call.index] = list(ep.prompt_ids)
             self._queue_turn(call.key, call.index, ep)
             return
         ep = self._episode(call.key, call.index)
-        ep.wait_s += now - call.submitted
+        ep.wait_s += seconds
         if isinstance(result, environment_client.EnvironmentCallError):
             self._fail_episode(call.key, call.index, result, None)
         elif loop.observe_step(ep, result, turn_cut=call.turn_cut):
