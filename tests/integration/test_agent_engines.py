@@ -1,0 +1,105 @@
+"""Multi-turn episodes on real engines, through the real driver: the calculator-calling tiny model
+(agent_model) runs episodes of tool calls and answers on the transformers engine and on vLLM's CPU
+build, and every token the trainer trains on, with its log-prob, is the engine's (token-in/token-out:
+nothing re-tokenised), while the tool results sit in the episode masked out. On vLLM the trainer's
+own log-probs of those tokens also match the engine's (the same weights, fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import agent_model
+import pytest
+from agent_runs import Recorder, agent_config, check_trained_tokens_are_the_engines, write_questions
+
+pytest.importorskip("torch")
+
+from rljob_trainer import driver, runtimes
+
+pytestmark = [pytest.mark.torch]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return agent_model.build()
+
+
+def _run(cfg, tmp_path: Path, steps: int = 2):
+    d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg), metrics_path=tmp_path / "metrics.jsonl")
+    try:
+        d.setup()
+        rec = Recorder(d)
+        rows = [d.step() for _ in range(steps)]
+    finally:
+        d.shutdown()
+    return rows, rec
+
+
+def _check(rows, rec) -> None:
+    assert rec.samples and len(rec.samples) == 2 * 2 * 2  # groups x prompts x steps: one sample an episode
+    multi = check_trained_tokens_are_the_engines(rec.samples, rec.outputs)
+    assert multi >= len(rec.samples) // 2  # the model calls the tool: most episodes have two turns
+    assert any(0 in s.mask for s in rec.samples)  # tool results sit in the episode, masked out
+    for row in rows:
+        assert row["agent/tool_calls"] > 0 and row["agent/turns_mean"] > 1
+        assert 0 <= row["agent/tool_time_share"] < 1
+        assert row["rollout/generated_tokens"] < sum(len(s.response_ids) for s in rec.samples)
+
+
+def _judge(model_dir: Path) -> dict:
+    """The same tiny model as a judge (its scores are noise; the path is the real one)."""
+    return {
+        "model": agent_model.model_settings(model_dir, name="tiny-judge"),
+        "promptTemplate": "Q {prompt} A {answer} R {response} score:",
+        "maxTokens": 4,
+        "maxModelLen": 384,
+        "batchSize": 3,
+        "weight": 0.5,
+        "cpuKvCacheBytes": 32 << 20,
+        "maxNumSeqs": 8,
+    }
+
+
+def _check_judge(rows) -> None:
+    for row in rows:
+        assert row["judge/scored"] + row["judge/failed"] == 4  # every response of the step went to it
+        assert row["judge/failed"] == 0 and row["judge/seconds"] > 0
+        assert "reward/judge" in row
+
+
+def test_episodes_on_the_transformers_engine_train_on_its_tokens(tmp_path: Path, model_dir: Path) -> None:
+    cfg = agent_config(model_dir, write_questions(tmp_path / "q.jsonl"), judge=_judge(model_dir))
+    rows, rec = _run(cfg, tmp_path)
+    _check(rows, rec)
+    _check_judge(rows)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_episodes_on_vllm_train_on_its_tokens_and_log_probs(tmp_path: Path, model_dir: Path) -> None:
+    pytest.importorskip("vllm")
+    cfg = agent_config(
+        model_dir,
+        write_questions(tmp_path / "q.jsonl"),
+        rollout={
+            "kind": "vllm",
+            "maxNumSeqs": 8,
+            "maxNumBatchedTokens": 512,
+            "cpuKvCacheBytes": 64 << 20,
+        },
+        judge=_judge(model_dir),  # a second vLLM engine, the judge's own
+    )
+    rows, rec = _run(cfg, tmp_path)
+    _check(rows, rec)
+    _check_judge(rows)
+    assert {o.meta.get("engine") for o in rec.outputs} == {"dedicated-0"}
+    # The trainer's log-probs of the generated tokens under the weights the engine sampled with (the
+    # first step's: version 0) are the engine's processed log-probs.
+    first = [
+        (s, lp) for s, lp in zip(rec.samples, rec.trainer_logprobs, strict=True) if s.weights_version == 0
+    ]
+    assert first
+    worst = max(
+        abs(t - e) for s, lp in first for t, e, m in zip(lp, s.rollout_logprobs, s.mask, strict=True) if m
+    )
+    assert worst < 2e-3, worst
