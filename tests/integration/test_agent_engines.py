@@ -16,7 +16,8 @@ pytest.importorskip("torch")
 
 from rljob_trainer import driver, runtimes
 
-pytestmark = [pytest.mark.torch]
+# slow: the tool-calling model is built on first use (a few minutes of CPU, then cached).
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,6 @@ def test_episodes_on_the_transformers_engine_train_on_its_tokens(tmp_path: Path,
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
 def test_episodes_on_vllm_train_on_its_tokens_and_log_probs(tmp_path: Path, model_dir: Path) -> None:
     pytest.importorskip("vllm")
     cfg = agent_config(

@@ -29,7 +29,10 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=sorted(CONFIGS))
+@pytest.fixture(
+    # Every host-like set of layers in `make test`; the full set alone in `make test-fast`.
+    params=[pytest.param(name, marks=() if name == "all" else pytest.mark.slow) for name in sorted(CONFIGS)]
+)
 def layers(request: pytest.FixtureRequest) -> tuple[str, ...]:
     wanted = CONFIGS[request.param]
     missing = [name for name in wanted if name not in GRANTED]
