@@ -101,12 +101,26 @@ def test_a_judge_request_longer_than_the_judge_model_is_refused_naming_the_field
         planning.plan_judge(spec, config)
 
 
-def test_a_reward_model_asks_for_no_answer_and_no_template() -> None:
+def test_a_reward_model_asks_for_no_answer_and_no_template_and_is_refused_until_served() -> None:
     spec = gpu_spec(kind="rewardModel", promptTemplate=None)
-    plan = planning.plan_judge(spec, judge_config(spec))
-    assert plan is not None
+    request = est.JudgeRequest(
+        hf_config=judge_config(spec),
+        device=est.get_device("H100-80GB"),
+        accelerators_per_node=8,
+        engines=1,
+        kind="rewardModel",
+        max_prompt_tokens=512,
+        max_response_tokens=1024,
+        responses_per_step=64,
+    )
+    plan = est.plan_judge(request)
     assert plan.max_model_len == judge_mod.CHAT_TEMPLATE_TOKENS + 512 + 1024 + 1
     assert "score 1" in plan.reasons[1]
+    # The trainer image serves LLM judges only: the job says so before any pod starts.
+    with pytest.raises(
+        errors.InvalidSpecError, match=r"spec\.reward\.judge\.kind: rewardModel is not served"
+    ):
+        planning.plan_judge(spec, judge_config(spec))
 
 
 def test_a_cpu_judge_with_a_head_size_vllms_cpu_attention_refuses_is_refused() -> None:

@@ -198,6 +198,13 @@ def plan_judge(spec: api.RLJobSpec, judge_config: dict[str, Any] | None) -> est.
     judge = spec.reward.judge
     if judge is None:
         return None
+    if judge.kind != "llm":
+        # The trainer image serves LLM judges only (rljob_trainer.data.judge): say so before any pod.
+        raise errors.InvalidSpecError(
+            "spec.reward.judge.kind",
+            "rewardModel is not served by the trainer image yet (only llm judges: a generative model asked "
+            "with promptTemplate): set kind to llm with a promptTemplate",
+        )
     if not judge_config:
         raise errors.InvalidSpecError(
             "spec.reward.judge.model.config", "the judge's config.json is needed to size its engines"
