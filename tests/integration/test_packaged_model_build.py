@@ -45,6 +45,8 @@ def test_the_folder_is_plain_fp32_weights_with_the_presets_config(built: Path) -
     assert {k: v for k, v in config.items() if k in preset} == preset
     assert (config["model_type"], config["num_hidden_layers"], config["head_dim"]) == ("llama", 30, 64)
     assert config["tie_word_embeddings"] is True
+    assert built.stat().st_mode & 0o777 == 0o755  # every pod mounting the volume reads it, whatever its uid
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in built.iterdir())
     marker = json.loads((built / "rljob-model.json").read_text())
     assert marker["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

@@ -188,9 +188,15 @@ def build(model: PackagedModel, out_dir: Path, *, gguf_path: Path | None = None)
         del loaded
         net.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
+        # Readable by every pod that mounts the volume (they need not run as the builder's uid):
+        # mkdtemp makes 0700, and safetensors writes 0600.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         record = marker(model, transformers_version=transformers.__version__, files=files)
         (tmp / MARKER_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / MARKER_FILE).chmod(0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
