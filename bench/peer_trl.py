@@ -164,7 +164,9 @@ def shared_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 def run_rljob(cfg: dict[str, Any], out: Path) -> dict[str, Any]:
     """rljob's run (`python -m rljob_trainer --local`); the final export is its model."""
     cfg = json.loads(json.dumps(cfg))
-    cfg["evaluation"] = None  # evaluated afterwards, by the same evaluation as TRL's model
+    # Its own held-out evaluation before the first step and after the last (the TensorBoard curve;
+    # step_s excludes it); the figure compared with TRL's is the one evaluation of both final models.
+    cfg["evaluation"]["everySteps"] = cfg["grpo"]["maxSteps"]
     cfg["checkpoint"] = {"dir": str(out / "ckpt"), "intervalSteps": cfg["grpo"]["maxSteps"], "keepLast": 1}
     cfg["export"] = {"everyCheckpoint": False, "final": True, "mergeLora": True, "dir": str(out / "export")}
     cfg["tracking"] = {"tensorboardDir": str(out / "tensorboard")}
