@@ -47,3 +47,4 @@ bench: setup
 	.venv/bin/python bench/weight_sync.py
 	.venv/bin/python bench/engine.py
 	.venv/bin/python bench/pipeline.py
+	.venv/bin/python bench/agents.py

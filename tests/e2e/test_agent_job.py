@@ -1,0 +1,132 @@
+"""End to end on the local cluster: a multi-turn agent job with a real environment pod and a real
+judge engine on a judge pod.
+
+`examples/tiny-agent-cpu.yaml` (the tiny model playing `rljob_env.arithmetic`, the calculator
+offered), with a judge added (the same tiny model, random weights: its scores are noise, its path
+is the real one), applied to the real control plane with the real operator: the operator creates the
+trainer pod, the environment's pods behind their headless Service and fence, and the judge's pod;
+the test kubelet runs them all as processes on this machine. The driver (trainer pod 0, the Ray head)
+places the judge engine on the judge pod's Ray worker (`rljob_judge_0`), resets and steps episodes on
+the environment's replicas by their own names, trains, and the job ends Succeeded; the driver's
+telemetry lines show the episodes ended by the environment and every response judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+os.environ.setdefault("RLJOB_RECONCILE_INTERVAL_S", "1")
+os.environ.setdefault("RLJOB_METRICS_PORT", "0")
+os.environ.setdefault("RLJOB_EVENT_INTERVAL_S", "1")
+
+from kopf.testing import KopfRunner
+
+from testenv.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "tiny-agent-cpu.yaml"
+STEPS = 3
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Any) -> None:
+    cluster.apply_crds(REPO / "crds")
+
+
+@pytest.fixture
+def cpu_node(cluster: Any) -> Iterator[str]:
+    (name,) = cluster.add_nodes(
+        1,
+        name_prefix=f"e2e-agent-{uuid.uuid4().hex[:6]}",
+        resource=None,
+        per_node=0,
+        labels={"rljob.io/pool": "cpu"},
+        cpu="8",
+        memory="32Gi",
+        exec_local=True,
+    )
+    yield name
+    cluster.delete_nodes([name])
+
+
+def _manifest() -> dict[str, Any]:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    spec = manifest["spec"]
+    spec["grpo"]["maxSteps"] = STEPS
+    spec["lengths"]["maxCompletionTokens"] = 96
+    spec["rollout"]["agent"]["maxTotalTokens"] = 96
+    spec["reward"]["judge"] = {
+        "kind": "llm",
+        "model": {
+            "name": "tiny-judge",
+            "source": spec["model"]["source"],
+            "config": spec["model"]["config"],
+            "dtype": "float32",
+        },
+        "promptTemplate": "Task: {prompt}\nReply: {response}\nScore 0-10:",
+        "maxTokens": 4,
+        "weight": 0.5,
+    }
+    spec["rolloutPool"] = {"nodeSelector": {"rljob.io/pool": "cpu"}}  # where judge pods go
+    return manifest
+
+
+def test_an_agent_job_trains_with_its_environment_pods_and_judge_pod(
+    cluster: Any, crd: None, namespace: str, cpu_node: str
+) -> None:
+    manifest = _manifest()
+    job = manifest["metadata"]["name"]
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rljob_operator.handlers"]
+    driver_pod, judge_pod = f"{job}-trainer-0", f"{job}-judge-0"
+    env_pods = [f"{job}-env-arith-0", f"{job}-env-arith-1"]
+    try:
+        with KopfRunner(args, timeout=60):
+            cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+
+            def pods_up() -> dict[str, Any] | None:
+                data = cluster.get_json("pods", "-l", f"rljob.io/job={job}", namespace=namespace) or {}
+                names = {p["metadata"]["name"]: p for p in data.get("items", [])}
+                want = [driver_pod, judge_pod, *env_pods]
+                ok = all(n in names and names[n].get("spec", {}).get("nodeName") == cpu_node for n in want)
+                return names if ok else None
+
+            wait_for("the trainer, judge and environment pods on the node", pods_up, 120, interval_s=1.0)
+
+            def finished() -> dict[str, Any] | None:
+                status = (cluster.get_json("rljob", job, namespace=namespace) or {}).get("status") or {}
+                return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+            try:
+                status = wait_for("the agent job to finish", finished, 900, interval_s=2.0)
+            except AssertionError as error:
+                logs = {n: cluster.pod_log(namespace, n)[-5000:] for n in (driver_pod, judge_pod, *env_pods)}
+                raise AssertionError(f"{error}\n{json.dumps(logs, indent=1)}") from None
+            driver_log = cluster.pod_log(namespace, driver_pod)
+            assert status["phase"] == "Succeeded", f"{json.dumps(status, indent=1)}\n{driver_log[-6000:]}"
+            assert status["progress"]["step"] == STEPS
+            assert [e["name"] for e in status.get("environments", [])] == ["arith"]
+            # The judge engine ran on the judge pod's Ray worker, placed by its marker resource.
+            assert "judge engines up: judge-0" in driver_log, driver_log[-6000:]
+            judge_log = cluster.pod_log(namespace, judge_pod)
+            assert "joining the Ray cluster" in judge_log and "rljob_judge_0" in judge_log, judge_log[-3000:]
+            # Every step: episodes driven by the environment (reset, steps, done), every response judged.
+            steps = [json.loads(m) for m in re.findall(r"telemetry: step \d+ (\{.*\})", driver_log)]
+            assert len(steps) == STEPS, driver_log[-6000:]
+            for metrics in steps:
+                assert metrics["agent/episodes"] == 16 and metrics["agent/env_failures"] == 0
+                assert metrics["agent/finish/failed"] == 0
+                assert metrics["judge/scored"] == 16 and metrics["judge/failed"] == 0
+                assert metrics["agent/observation_tokens_mean"] > 0  # the environment's turns, masked
+    finally:
+        cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false", check=False)
