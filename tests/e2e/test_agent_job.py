@@ -83,8 +83,9 @@ def _manifest() -> dict[str, Any]:
 
 
 def test_an_agent_job_trains_with_its_environment_pods_and_judge_pod(
-    cluster: Any, crd: None, namespace: str, cpu_node: str
+    cluster: Any, crd: None, namespace: str, cpu_node: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))  # the operator's client
     manifest = _manifest()
     job = manifest["metadata"]["name"]
     args = ["run", "--standalone", "--namespace", namespace, "-m", "rljob_operator.handlers"]
@@ -101,7 +102,11 @@ def test_an_agent_job_trains_with_its_environment_pods_and_judge_pod(
                 ok = all(n in names and names[n].get("spec", {}).get("nodeName") == cpu_node for n in want)
                 return names if ok else None
 
-            wait_for("the trainer, judge and environment pods on the node", pods_up, 120, interval_s=1.0)
+            try:
+                wait_for("the trainer, judge and environment pods on the node", pods_up, 120, interval_s=1.0)
+            except AssertionError as error:
+                status = (cluster.get_json("rljob", job, namespace=namespace) or {}).get("status")
+                raise AssertionError(f"{error}\n{json.dumps(status, indent=1)}") from None
 
             def finished() -> dict[str, Any] | None:
                 status = (cluster.get_json("rljob", job, namespace=namespace) or {}).get("status") or {}
@@ -127,6 +132,9 @@ def test_an_agent_job_trains_with_its_environment_pods_and_judge_pod(
                 assert metrics["agent/episodes"] == 16 and metrics["agent/env_failures"] == 0
                 assert metrics["agent/finish/failed"] == 0
                 assert metrics["judge/scored"] == 16 and metrics["judge/failed"] == 0
-                assert metrics["agent/observation_tokens_mean"] > 0  # the environment's turns, masked
+                # Each episode was reset and stepped by the environment (a random model's reply mostly
+                # runs to the token budget, which ends the episode after that step) and rewarded by it.
+                ended = sum(metrics[f"agent/finish/{r}"] for r in ("env_done", "length", "max_turns"))
+                assert ended == pytest.approx(1.0) and "reward/environment" in metrics
     finally:
         cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false", check=False)
