@@ -55,6 +55,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -402,10 +403,16 @@ def in_process_cfg(cfg: config.TrainerConfig, model_dir: Path) -> config.Trainer
     return config.TrainerConfig.model_validate(data)
 
 
+# Every engine this bench started: `main` stops those still up however it ends (an engine's vLLM
+# processes outlive a killed parent, and an orphaned EngineCore ignored SIGTERM here).
+STARTED: list[Any] = []
+
+
 def start_engine(cfg: config.TrainerConfig, model_dir: Path, name: str, log: Any) -> Any:
     from rljob_trainer.engines import vllm_engine
 
     engine = vllm_engine.VLLMEngine(cfg, name=name, colocated=False, model_path=str(model_dir))
+    STARTED.append(engine)
     engine.load()
     log(f"engine {name}: vLLM started in {engine.last_start_s:.1f} s")
     return engine
@@ -418,6 +425,16 @@ def load() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A SIGTERM unwinds through `finally` (the engines are stopped) instead of ending the process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return bench(argv)
+    finally:
+        for engine in STARTED:
+            engine.shutdown()  # a no-op for those stopped already
+
+
+def bench(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--quick", action="store_true", help="a smaller step, one A B B A round, one sync per path"

@@ -10,22 +10,23 @@ need CUDA). A tiny deep and thin Qwen2 built from a config (heads of 32, which v
 takes; float32; random weights, nothing downloaded) on the toy arithmetic task. The engine is sized
 as the operator sizes one (`vllm_sizing`: a step's sequences, its KV bytes).
 
-Calibration sets two knobs, so it balances on any machine:
-- the batch (prompts per step, groups of 4) sets training against generation: a decode step of a
-  tiny model costs about the same for 8 or 64 sequences (per-step overhead), while training costs
-  per token, so fewer prompts make training cheaper relative to generation and more make it
-  dearer. Both phases are measured at two batches; each phase's power law through them gives the
-  batch where they meet, and each further probe moves the batch along those laws to where its own
-  phases would meet (the cap changes their ratio too: answers stop at EOS);
-- the response cap sets the step's length: both phases grow with it, so it is scaled until the
-  slower phase takes `--target-s` (default 0.8 s), far from the regime where Ray calls and weight
-  syncs decide the ratio.
+Calibration sets two knobs, so it balances on any machine: the batch (prompts per step, groups of
+4) and the response cap. Each phase is taken as a power law in both (`PhaseLaw`, fitted through
+every probe by least squares): training grows with the tokens trained (about linear in the batch,
+and in the answers' mean length, which saturates with the cap as answers stop at EOS); generation
+with the longest answer (about the cap) and, on vLLM's CPU build, almost as fast with the batch as
+training does (the engine's per-sequence work is not small beside a tiny model's), so neither knob
+alone moves the balance far and both are used. Four probes on a grid (12 and 48 prompts, 24 and 72
+tokens), then up to three where the refitted laws put generation = training = `--target-s` (default
+0.8 s: far from the regime where Ray calls and weight syncs decide the ratio), each step bounded
+(`PhaseLaws.balanced`: power laws fitted to noisy probes describe the phases near them only).
 A probe's generation is timed on one vLLM engine in this process, started once for every probe (a
 vLLM start costs 20-60 s here, a run per probe would pay it each time): a step's requests, the runs'
 sampling, 4 calls. Its training comes from a short synchronous run in local mode on the transformers
 engine (same model, same sampling, so the same answer lengths; no vLLM start), 4 timed steps. When
-the synchronous run on Ray finds its phases more than 1.25x apart, its own phases are carried along
-the same power laws to a new batch and cap, and it runs again (at most twice).
+the synchronous run on Ray finds its phases more than 1.25x apart, each law is scaled by what the
+Ray run measured against it (the launcher and the moment differ from the probes'), the batch and cap
+move to where the scaled laws balance, and it runs again (at most twice).
 
 Then the synchronous run (maxStaleness 0) and the asynchronous runs (maxStaleness 1, or each value
 of `--staleness`, truncated IS; with `--partial` also each with partial rollouts) use that config:
@@ -84,6 +85,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -114,6 +116,10 @@ MIN_CAPACITY = 1.6
 # A packed row's tokens (`--row-tokens`): its causal mask is quadratic in its length, and 4096-token
 # rows made training 2.6x slower and memory-bound.
 ROW_TOKENS = 1024
+# The calibration's first probes: a grid of two batches and two caps, around where the phases of a
+# vLLM engine and the bench's rank met on this machine (about 40 prompts x 4 at 35 tokens).
+GRID_PROMPTS, GRID_TOKENS = (12, 48), (24, 72)
+GRID_CENTRE = (24, 42)
 # Steps per calibration probe (all but the first and last timed): a step's generation lasts as long
 # as its longest answer, so one timed step (the old 3) put the phases up to 2x off the Ray run's.
 CALIBRATION_STEPS = 6
@@ -477,52 +483,73 @@ class Probe:
     training_s: float
 
 
-def balanced_prompts(a: Probe, b: Probe) -> int:
-    """The batch where generation meets training, from two probes at one cap and two batches: each
-    phase follows a power law in the batch (training about linear, generation flatter), so
-    log(generation / training) is linear in log(prompts); its zero is the estimate."""
-    ra, rb = math.log(a.generation_s / a.training_s), math.log(b.generation_s / b.training_s)
-    if a.prompts == b.prompts or ra == rb:
-        return a.prompts if abs(ra) <= abs(rb) else b.prompts
-    la, lb = math.log(a.prompts), math.log(b.prompts)
-    estimate = math.exp(la - ra * (lb - la) / (rb - ra))
-    return max(MIN_PROMPTS, min(MAX_PROMPTS, round(estimate)))
+@dataclass(frozen=True)
+class PhaseLaw:
+    """One phase's seconds as a power law in the batch and the cap:
+    log(seconds) = log_scale + batch_exponent * log(prompts) + cap_exponent * log(tokens)."""
+
+    log_scale: float
+    batch_exponent: float
+    cap_exponent: float
+
+    def seconds(self, prompts: float, tokens: float) -> float:
+        return math.exp(
+            self.log_scale + self.batch_exponent * math.log(prompts) + self.cap_exponent * math.log(tokens)
+        )
+
+    def scaled(self, factor: float) -> PhaseLaw:
+        """The same law, every time `factor` x (a machine or a launcher that runs the phase slower)."""
+        return PhaseLaw(self.log_scale + math.log(factor), self.batch_exponent, self.cap_exponent)
 
 
-def scaled_tokens(p: Probe, target_s: float) -> int:
-    """The cap at which the slower phase takes `target_s` (both phases grow about linearly with it)."""
-    slower = max(p.generation_s, p.training_s)
-    return max(MIN_TOKENS, min(MAX_TOKENS, round(p.tokens * target_s / max(slower, 1e-6))))
+def fit_law(points: list[tuple[int, int, float]]) -> PhaseLaw:
+    """Least squares of log(seconds) on log(prompts) and log(tokens) through (prompts, tokens, s)."""
+    import numpy as np
+
+    a = np.array([[1.0, math.log(p), math.log(c)] for p, c, _ in points])
+    b = np.array([math.log(max(s, 1e-4)) for _, _, s in points])
+    (scale, batch, cap), *_ = np.linalg.lstsq(a, b, rcond=None)
+    return PhaseLaw(float(scale), float(batch), float(cap))
 
 
 @dataclass(frozen=True)
-class PowerLaws:
-    """How each phase grows with the batch (prompts^exponent), from two probes at one cap."""
+class PhaseLaws:
+    """Both phases' laws. Two knobs, two conditions: generation = training (balance) and the slower
+    = target_s (length). On vLLM both phases grow with the batch at nearly the same exponent (the
+    engine's per-sequence work is not small beside a tiny model's), so the batch alone barely moves
+    the balance; the cap does: a step's generation lasts as long as its longest answer (about the
+    cap), its training as long as its answers' sum, whose mean saturates as answers stop at EOS."""
 
-    generation: float
-    training: float
+    generation: PhaseLaw
+    training: PhaseLaw
 
-    def carry(self, ref: Probe, prompts: int) -> Probe:
-        """`ref`'s phases carried to `prompts` along the power laws."""
-        scale = prompts / ref.prompts
-        generation = ref.generation_s * scale**self.generation
-        return Probe(prompts, ref.tokens, generation, ref.training_s * scale**self.training)
+    @classmethod
+    def fit(cls, probes: list[Probe]) -> PhaseLaws:
+        return cls(
+            fit_law([(p.prompts, p.tokens, p.generation_s) for p in probes]),
+            fit_law([(p.prompts, p.tokens, p.training_s) for p in probes]),
+        )
 
-    def balanced(self, ref: Probe) -> int:
-        """The batch where `ref`'s phases would meet (the cap changes their ratio too: answers stop at
-        EOS, so generation grows with the longest and training with the mean)."""
-        if self.training - self.generation < 0.05:
-            return ref.prompts  # the batch cannot move the balance here
-        gap = self.training - self.generation
-        estimate = ref.prompts * (ref.generation_s / ref.training_s) ** (1 / gap)
-        return max(MIN_PROMPTS, min(MAX_PROMPTS, round(estimate)))
+    def scaled(self, generation: float, training: float) -> PhaseLaws:
+        return PhaseLaws(self.generation.scaled(generation), self.training.scaled(training))
 
+    def miss(self, prompts: int, tokens: int, target_s: float) -> float:
+        """How far (prompts, tokens) is from balance and from the target, by the laws (log units;
+        balance counts twice: it decides the ideal, the length only keeps clear of the overheads)."""
+        g, t = self.generation.seconds(prompts, tokens), self.training.seconds(prompts, tokens)
+        return abs(math.log(g / t)) + 0.5 * abs(math.log(max(g, t) / target_s))
 
-def rebalanced(sync: Phases, prompts: int, tokens: int, laws: PowerLaws, target_s: float) -> tuple[int, int]:
-    """The batch and cap where the synchronous (Ray) run's own phases would meet at `target_s`."""
-    ref = Probe(prompts, tokens, sync.generation_s, sync.training_s)
-    moved = laws.carry(ref, laws.balanced(ref))
-    return moved.prompts, scaled_tokens(moved, target_s)
+    def balanced(self, target_s: float, around: tuple[int, int], within: float = 2.0) -> tuple[int, int]:
+        """The (prompts, tokens) the laws put nearest balance at `target_s`, no further than `within`x
+        from `around` in either knob (and within the bounds). A bounded step, not the laws' exact
+        solution: their exponents are fitted to noisy probes and nearly equal (the solution of two
+        near-parallel conditions jumped from 64 prompts at 20 tokens to 3 at 344 on one probe's
+        noise), and a power law is only a local description."""
+        p0, c0 = around
+        steps = [within ** (k / 4) for k in range(-4, 5)]
+        batches = {max(MIN_PROMPTS, min(MAX_PROMPTS, round(p0 * f))) for f in steps}
+        caps = {max(MIN_TOKENS, min(MAX_TOKENS, round(c0 * f))) for f in steps}
+        return min(((p, c) for p in batches for c in caps), key=lambda pc: self.miss(*pc, target_s))
 
 
 class GenerationTimer:
@@ -585,9 +612,11 @@ class GenerationTimer:
 
 def calibrate(
     work: Path, timer: GenerationTimer, *, target_s: float, log: Any, row_tokens: int = ROW_TOKENS
-) -> tuple[int, int, list[Probe], PowerLaws]:
-    """(prompts, response cap, every probe, the phases' power laws in the batch): where
-    generation ≈ training ≈ target_s."""
+) -> tuple[int, int, list[Probe], PhaseLaws]:
+    """(prompts, response cap, every probe, the phases' laws): where generation ≈ training ≈ target_s.
+    Four probes on a grid of two batches and two caps fit each phase's law; each further probe sits
+    where the laws refitted through every probe so far put the balance (at most three), and the last
+    answer of the laws is taken."""
     probes: list[Probe] = []
 
     def probe(prompts: int, tokens: int) -> Probe:
@@ -614,36 +643,34 @@ def calibrate(
         )
         return out
 
-    def imbalance(p: Probe) -> float:
-        return abs(math.log(p.generation_s / p.training_s))
-
-    a, b = probe(8, 48), probe(32, 48)
-    # Each phase's power law in the batch, from the two probes at one cap (generation flat, training
-    # about linear): how the phases move when the batch changes at any cap.
-    span = math.log(b.prompts / a.prompts)
-    laws = PowerLaws(
-        math.log(b.generation_s / a.generation_s) / span, math.log(b.training_s / a.training_s) / span
-    )
-
-    prompts = balanced_prompts(a, b)
-    ref = a if imbalance(a) <= imbalance(b) else b
+    for prompts in GRID_PROMPTS:
+        for tokens in GRID_TOKENS:
+            probe(prompts, tokens)
+    laws = PhaseLaws.fit(probes)
+    point = laws.balanced(target_s, GRID_CENTRE, within=4.0)  # anywhere in and around the grid
     for _ in range(3):
-        tokens = scaled_tokens(laws.carry(ref, prompts), target_s)
-        if (prompts, tokens) in {(p.prompts, p.tokens) for p in probes}:
+        if point in {(p.prompts, p.tokens) for p in probes}:
             break
-        ref = probe(prompts, tokens)
-        if (
-            imbalance(ref) <= math.log(1.15)
-            and abs(max(ref.generation_s, ref.training_s) / target_s - 1) <= 0.25
-        ):
-            break
-        prompts = laws.balanced(ref)
-    # The probe nearest to balance and to the target, its cap scaled to the target (on a shared
-    # machine the last probe can be the noisiest).
-    best = min(
-        probes, key=lambda p: imbalance(p) + 0.5 * abs(math.log(max(p.generation_s, p.training_s) / target_s))
+        done = probe(*point)
+        laws = PhaseLaws.fit(probes)
+        near = abs(math.log(done.generation_s / done.training_s)) <= math.log(1.15)
+        if near and abs(math.log(max(done.generation_s, done.training_s) / target_s)) <= math.log(1.25):
+            break  # this probe's own phases are where they should be
+        point = laws.balanced(target_s, point)
+    return point[0], point[1], probes, laws
+
+
+def rebalanced(
+    sync: Phases, prompts: int, tokens: int, laws: PhaseLaws, target_s: float
+) -> tuple[PhaseLaws, int, int]:
+    """The synchronous (Ray) run's own phases against what the laws predicted at its batch and cap:
+    each law scaled by its phase's factor (the Ray run's launcher and the machine's moment), and the
+    point where the scaled laws balance at `target_s`."""
+    moved = laws.scaled(
+        sync.generation_s / laws.generation.seconds(prompts, tokens),
+        sync.training_s / laws.training.seconds(prompts, tokens),
     )
-    return best.prompts, scaled_tokens(best, target_s), probes, laws
+    return moved, *moved.balanced(target_s, (prompts, tokens), within=4.0)
 
 
 # ---- parallel capacity -----------------------------------------------------------------------------
@@ -840,6 +867,9 @@ def _describe(name: str, ph: Phases) -> str:
 
 
 def main() -> None:
+    # A SIGTERM unwinds through `finally` (the calibration's engine is stopped, a run in flight is
+    # killed by subprocess.run) instead of leaving vLLM's processes behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps per run (about 4 minutes on 2 cores)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 10 quick, 18 full)")
@@ -906,8 +936,8 @@ def main() -> None:
             apart = max(g, t) / max(min(g, t), 1e-6)
             if apart <= REBALANCE_AT or attempt == REBALANCE_RUNS:
                 break
-            moved = rebalanced(sync, prompts, tokens, laws, args.target_s)
-            if moved == (prompts, tokens):
+            laws, *moved = rebalanced(sync, prompts, tokens, laws, args.target_s)
+            if tuple(moved) == (prompts, tokens):
                 break
             prompts, tokens = moved
             print(
