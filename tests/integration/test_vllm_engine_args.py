@@ -48,8 +48,14 @@ def test_the_rendered_engine_arguments_are_ones_vllm_takes(path: Path, tmp_path:
     model_config = _model_config(spec)
     if not _runs_on_vllms_cpu_build(spec, model_config):
         pytest.skip(f"{path.name}: not a model vLLM's CPU build serves (its engines run on accelerators)")
-    plan = planning.plan_status(planning.plan_job(spec, model_config))
-    cfg = builders.render_trainer_config(spec, plan, model_config)
+    judge_config = None
+    if spec.reward.judge is not None:  # the judge's engines are planned from its own config
+        js = spec.reward.judge.model.config
+        judge_config = dict(js.inline) if js.inline is not None else est.load_preset(js.preset or "")
+    plan = planning.plan_status(
+        planning.plan_job(spec, model_config), planning.plan_judge(spec, judge_config)
+    )
+    cfg = builders.render_trainer_config(spec, plan, model_config, judge_config=judge_config)
     (tmp_path / "config.json").write_text(json.dumps(model_config))
     caps = platform.probe()
     args = vllm_engine.engine_args(cfg, model=str(tmp_path), sleep_enabled=False, capabilities=caps)
@@ -63,3 +69,15 @@ def test_the_rendered_engine_arguments_are_ones_vllm_takes(path: Path, tmp_path:
     # The bytes hold the plan's maxNumSeqs sequences of the longest length vLLM will schedule.
     per_token = plan.kv_bytes_per_token or 0
     assert cfg.rollout.cpu_kv_cache_bytes >= per_token * config.model_config.max_model_len
+    if cfg.judge is not None:  # the judge's engine, as the trainer builds it (data.judge), too
+        from rljob_trainer.data import judge
+
+        jcfg = judge.judge_engine_config(cfg)
+        (tmp_path / "judge").mkdir()
+        (tmp_path / "judge" / "config.json").write_text(json.dumps(judge_config))
+        jargs = vllm_engine.engine_args(
+            jcfg, model=str(tmp_path / "judge"), sleep_enabled=False, capabilities=caps
+        )
+        jconfig = EngineArgs(**jargs, skip_tokenizer_init=True).create_engine_config()
+        assert jconfig.model_config.max_model_len == jcfg.lengths.max_model_len_tokens
+        assert jconfig.cache_config.kv_cache_memory_bytes == jcfg.rollout.cpu_kv_cache_bytes

@@ -161,10 +161,15 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def render_everything(spec: api.RLJobSpec, plan: api.PlanStatus, model_config: dict[str, Any] | None) -> None:
+def render_everything(
+    spec: api.RLJobSpec,
+    plan: api.PlanStatus,
+    model_config: dict[str, Any] | None,
+    judge_config: dict[str, Any] | None = None,
+) -> None:
     """What the operator renders for `spec`: the trainer config (validated by the trainer's own
     contract) and every pod, including the pods of the largest adaptive layout."""
-    cfg = builders.render_trainer_config(spec, plan, model_config)
+    cfg = builders.render_trainer_config(spec, plan, model_config, judge_config=judge_config)
     again = tc.TrainerConfig.model_validate_json(tc.dump_config(cfg))
     assert again == cfg
     layout = builders.compute_layout(spec, plan)
@@ -195,8 +200,14 @@ def test_every_example_renders_with_its_real_plan(path: Path) -> None:
         spec = api.RLJobSpec.model_validate(doc["spec"])
         src = spec.model.config
         model_config = dict(src.inline) if src.inline is not None else load_preset(src.preset or "")
-        plan = planning.plan_status(planning.plan_job(spec, model_config))
-        render_everything(spec, plan, model_config)
+        judge_config = None
+        if spec.reward.judge is not None:  # the judge's engines are planned from its own config
+            js = spec.reward.judge.model.config
+            judge_config = dict(js.inline) if js.inline is not None else load_preset(js.preset or "")
+        plan = planning.plan_status(
+            planning.plan_job(spec, model_config), planning.plan_judge(spec, judge_config)
+        )
+        render_everything(spec, plan, model_config, judge_config)
 
 
 def test_every_loss_normalization_the_api_names_has_a_trainer_loss() -> None:
