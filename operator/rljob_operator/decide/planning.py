@@ -85,6 +85,20 @@ def check_rollout_engine(spec: api.RLJobSpec, model_config: dict[str, Any]) -> N
     head sizes `api.VLLM_CPU_ATTENTION_HEAD_SIZES` only (MLA models use its CPU MLA backends instead).
     Raises `errors.UnsupportedHeadSizeError` naming spec.model, the head size and both fixes; the CEL
     rule refuses the same at `kubectl apply` where the config is inline with an explicit head_dim."""
+    _check_cpu_head_size(
+        spec,
+        model_config,
+        field="spec.model",
+        what=f"{_head_dim_source(model_config)} of {_model_config_source(spec)}",
+        serves="runs vLLM's CPU build",
+    )
+
+
+def _check_cpu_head_size(
+    spec: api.RLJobSpec, model_config: dict[str, Any], *, field: str, what: str, serves: str
+) -> None:
+    """A model served by vLLM's CPU build (a cpu pool with rollout.kind vllm) needs a head size its
+    attention runs: `field` names the model in the error, `what` where its head_dim came from."""
     res = spec.resources
     if res.accelerator.kind != "cpu" or res.rollout.kind != "vllm":
         return
@@ -93,11 +107,10 @@ def check_rollout_engine(spec: api.RLJobSpec, model_config: dict[str, Any]) -> N
         return
     sizes = ", ".join(map(str, api.VLLM_CPU_ATTENTION_HEAD_SIZES))
     raise errors.UnsupportedHeadSizeError(
-        "spec.model",
-        f"head_dim {model.head_dim} ({_head_dim_source(model_config)} of {_model_config_source(spec)}) "
-        f"is not a head size vLLM's CPU attention runs ({sizes}), and accelerator.kind cpu with "
-        "spec.resources.rollout.kind vllm runs vLLM's CPU build: use a model with one of those head "
-        "sizes, or set spec.resources.rollout.kind to transformers",
+        field,
+        f"head_dim {model.head_dim} ({what}) is not a head size vLLM's CPU attention runs ({sizes}), and "
+        f"accelerator.kind cpu with spec.resources.rollout.kind vllm {serves}: use a model with one of "
+        "those head sizes, or set spec.resources.rollout.kind to transformers",
     )
 
 
@@ -176,19 +189,12 @@ def judge_config_source(spec: api.RLJobSpec) -> api.ModelConfigSource | None:
 def _check_judge_engine(spec: api.RLJobSpec, judge: api.JudgeSpec, judge_config: dict[str, Any]) -> None:
     """vLLM's CPU attention takes a fixed list of head sizes: a judge outside it cannot run on a cpu
     pool's vLLM engine (as `check_rollout_engine` says of the policy)."""
-    res = spec.resources
-    if res.accelerator.kind != "cpu" or res.rollout.kind != "vllm":
-        return
-    model = est.ModelGeometry.from_hf_config(judge_config)
-    if model.mla is not None or model.head_dim in api.VLLM_CPU_ATTENTION_HEAD_SIZES:
-        return
-    sizes = ", ".join(map(str, api.VLLM_CPU_ATTENTION_HEAD_SIZES))
-    raise errors.UnsupportedHeadSizeError(
-        "spec.reward.judge.model",
-        f"head_dim {model.head_dim} ({_head_dim_source(judge_config)} of the judge {judge.model.name}) is "
-        f"not a head size vLLM's CPU attention runs ({sizes}), and accelerator.kind cpu with "
-        "spec.resources.rollout.kind vllm serves the judge with vLLM's CPU build: use a judge with one of "
-        "those head sizes, or set spec.resources.rollout.kind to transformers",
+    _check_cpu_head_size(
+        spec,
+        judge_config,
+        field="spec.reward.judge.model",
+        what=f"{_head_dim_source(judge_config)} of the judge {judge.model.name}",
+        serves="serves the judge with vLLM's CPU build",
     )
 
 
