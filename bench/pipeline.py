@@ -537,7 +537,9 @@ class PhaseLaws:
         """How far (prompts, tokens) is from balance and from the target, by the laws (log units;
         balance counts twice: it decides the ideal, the length only keeps clear of the overheads)."""
         g, t = self.generation.seconds(prompts, tokens), self.training.seconds(prompts, tokens)
-        return abs(math.log(g / t)) + 0.5 * abs(math.log(max(g, t) / target_s))
+        # Never steer into steps the degenerate check refuses: balance bought there is no figure.
+        short = 10.0 if max(g, t) < 1.25 * MIN_STEP_S else 0.0
+        return abs(math.log(g / t)) + 0.5 * abs(math.log(max(g, t) / target_s)) + short
 
     def balanced(self, target_s: float, around: tuple[int, int], within: float = 2.0) -> tuple[int, int]:
         """The (prompts, tokens) the laws put nearest balance at `target_s`, no further than `within`x
