@@ -87,7 +87,10 @@ def _engine(cfg: config_mod.TrainerConfig, spy: SignatureSpy, *, colocated: bool
     # The images this tier checks run on GPUs and NPUs, whose vLLM sleeps in place; probing this
     # GPU-less machine would say otherwise (sleep by restart: tests/integration/test_vllm_engine.py).
     engine._caps = platform.EngineCapabilities(
-        vllm_version="conformance", device_type="cuda", sleep_mode=True, weight_transfer_backends=("nccl", "ipc")
+        vllm_version="conformance",
+        device_type="cuda",
+        sleep_mode=True,
+        weight_transfer_backends=("nccl", "ipc"),
     )
     return engine
 
