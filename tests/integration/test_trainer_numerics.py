@@ -110,12 +110,34 @@ def test_held_out_evaluation_every_n_steps_greedy_by_default() -> None:
     d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg))
     rows = d.run(4)
     d.shutdown()
-    assert [("eval/mean_reward" in r) for r in rows] == [False, True, False, True]
+    # beforeTraining (default, verl's val_before_train): the initial weights are scored first, as step 0
+    assert [(r["step"], "eval/mean_reward" in r) for r in rows] == [
+        (0, True),
+        (1, False),
+        (2, True),
+        (3, False),
+        (4, True),
+    ]
     evals = [r for r in rows if "eval/mean_reward" in r]
     assert all(r["eval/samples"] == 6 and "eval/reward/mathAccuracy" in r for r in evals)
     assert all(0.0 <= r["eval/mean_reward"] <= 1.0 for r in evals)
     reports = {r.step: r for r in d.state.history}
-    assert reports[2].eval_mean_reward == evals[0]["eval/mean_reward"] and reports[1].eval_mean_reward is None
+    assert reports[2].eval_mean_reward == evals[1]["eval/mean_reward"] and reports[1].eval_mean_reward is None
+
+
+def test_held_out_evaluation_before_training_can_be_turned_off() -> None:
+    cfg = _local(
+        evaluation={
+            "data": {"builtin": "toy-arithmetic"},
+            "everySteps": 2,
+            "maxSamples": 6,
+            "beforeTraining": False,
+        }
+    )
+    d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg))
+    rows = d.run(2)
+    d.shutdown()
+    assert [(r["step"], "eval/mean_reward" in r) for r in rows] == [(1, False), (2, True)]
 
 
 def test_dynamic_sampling_drops_equal_reward_groups_and_refills() -> None:

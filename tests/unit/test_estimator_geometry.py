@@ -61,6 +61,14 @@ KV_CASES = {
         4: 32 * 2 * 2 * 128 * 2,
         8: 32 * 2 * 1 * 128 * 2,
     },
+    # SmolLM2-135M-Instruct (the packaged real model): 30 layers, 3 KV heads, head_dim 64;
+    # at TP 2+ vLLM keeps max(1, 3 // tp) = 1 head per rank
+    "HuggingFaceTB__SmolLM2-135M-Instruct": {
+        1: 30 * 2 * 3 * 64 * 2,
+        2: 30 * 2 * 1 * 64 * 2,
+        4: 30 * 2 * 1 * 64 * 2,
+        8: 30 * 2 * 1 * 64 * 2,
+    },
     # Qwen3.5-4B: only 8 of 32 layers are full attention; 4 KV heads x head_dim 256
     "Qwen__Qwen3.5-4B": {
         1: 8 * 2 * 4 * 256 * 2,
