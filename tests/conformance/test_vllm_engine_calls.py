@@ -402,3 +402,11 @@ def test_a_request_vllm_refuses_while_paused_is_aborted_not_failed(spy: Signatur
     engine = _engine(_cfg(), spy, colocated=False)
     out = engine.generate([[5], [6]], base.SamplingSettings(temperature=1.0, max_tokens=6))
     assert [(o.token_ids, o.finish_reason) for o in out] == [((), base.ABORTED)] * 2
+
+
+def test_a_waiting_call_asks_vllm_whether_its_engine_core_is_alive() -> None:
+    """`VLLMEngine._core_dead` reads `AsyncLLM.errored` while a call waits (vLLM never answers a
+    utility call whose EngineCore died): a property of every release the images ship."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert isinstance(inspect.getattr_static(AsyncLLM, "errored"), property)

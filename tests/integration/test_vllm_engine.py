@@ -1,7 +1,8 @@
 """The real vLLM engine (vLLM's CPU build, the tests' and the CPU image's pin) behind rljob's engine
 contract: generation and processed log-probs against the trainer's, weight syncs that really arrive,
 pause / abort / resume as vLLM 0.32 does them, sleep on a platform without sleep mode (a stop and a
-restart, never trusted to `is_sleeping()`), and an engine whose EngineCore is killed mid-generate.
+restart, never trusted to `is_sleeping()`), and an engine whose EngineCore is killed mid-generate
+and mid-reload.
 
 Each engine is a real AsyncLLM with its EngineCore and worker processes (about 20 s to start here);
 one per module fixture, not per test.
@@ -305,6 +306,31 @@ def test_sleep_without_sleep_mode_stops_the_engine_and_wake_starts_it_with_the_w
         assert "result" not in out
         with pytest.raises(base.EngineDiedError, match="engine core died"):
             engine.generate(PROMPTS, _sampling(len(PROMPTS)))
+
+        # Started again (the driver replaces a dead engine; a sleep and a wake restart this one), its
+        # EngineCore dies while a weight reload waits for it: vLLM never answers that call, and the
+        # engine gives it up as a death within seconds, not after rollout.engineTimeoutS (600 s).
+        engine.sleep(1)
+        engine.wake(["weights"])
+        (core,) = cores()
+        core.suspend()  # the reload is sent and waits, as one in flight when a core dies does
+        synced: dict[str, object] = {}
+
+        def sync() -> None:
+            try:
+                _sync(engine, cfg, policy, 3)
+            except BaseException as e:  # the thread reports what ended it
+                synced["error"] = e
+
+        t = threading.Thread(target=sync)
+        t.start()
+        time.sleep(2.0)
+        assert t.is_alive(), f"the reload ended before its EngineCore died: {synced}"
+        core.kill()
+        killed = time.monotonic()
+        t.join(timeout=60)
+        assert not t.is_alive() and time.monotonic() - killed < 30
+        assert isinstance(synced.get("error"), base.EngineDiedError), synced
     finally:
         engine.shutdown()
 

@@ -61,7 +61,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from rljob_trainer import config as config_mod
@@ -198,6 +198,14 @@ class EngineCallTimeout(RuntimeError):
     """A call into vLLM did not finish within rollout.engineTimeoutS."""
 
 
+class EngineCoreGone(RuntimeError):
+    """vLLM says its engine core is dead (`AsyncLLM.errored`) while a call waits for it."""
+
+
+# How often a waiting call asks vLLM whether its engine core is still alive.
+DEAD_CHECK_S = 1.0
+
+
 def _engine_dead_errors() -> tuple[type[BaseException], ...]:
     """What the installed vLLM raises once its engine core process is gone (`EngineDeadError`)."""
     try:
@@ -215,13 +223,28 @@ class _Loop:
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-vllm", daemon=True)
         self._thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout_s: float | None = None,
+        dead: Callable[[], bool] | None = None,
+    ) -> T:
+        """The coroutine's result, waited for in slices of DEAD_CHECK_S: where `dead()` says the engine
+        core is gone the call is given up at once (vLLM never answers a utility call, such as a
+        weight reload, whose EngineCore was killed while it ran: it would wait out `timeout_s`)."""
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise EngineCallTimeout(f"vLLM call did not finish within {timeout_s:.0f} s") from None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = DEAD_CHECK_S if deadline is None else min(DEAD_CHECK_S, deadline - time.monotonic())
+            try:
+                return future.result(max(0.0, wait))
+            except concurrent.futures.TimeoutError:
+                if dead is not None and dead():
+                    future.cancel()
+                    raise EngineCoreGone("its EngineCore exited while a call was in flight") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    future.cancel()
+                    raise EngineCallTimeout(f"vLLM call did not finish within {timeout_s:.0f} s") from None
 
 
 class VLLMEngine(base.RolloutEngine):
@@ -316,12 +339,18 @@ class VLLMEngine(base.RolloutEngine):
         if self._loop is None:
             raise RuntimeError(f"engine {self.name}: load() has not been called")
         try:
-            return self._loop.run(coro, timeout_s)
-        except _engine_dead_errors() as e:
+            return self._loop.run(coro, timeout_s, dead=self._core_dead)
+        except (EngineCoreGone, *_engine_dead_errors()) as e:
             raise base.EngineDiedError(
                 f"engine {self.name}: vLLM's engine core died ({type(e).__name__}: {e}); the engine "
                 "cannot serve again and is replaced"
             ) from e
+
+    def _core_dead(self) -> bool:
+        """vLLM's own word (`AsyncLLM.errored`: its engine core process exited, or its output handler
+        failed)."""
+        llm = self._llm
+        return llm is not None and bool(llm.errored)
 
     def _llm_or_raise(self) -> Any:
         if self._llm is None:
