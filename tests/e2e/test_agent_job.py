@@ -44,6 +44,11 @@ def crd(cluster: Any) -> None:
     cluster.apply_crds(REPO / "crds")
 
 
+# The node's own pool: other tests on this worker's cluster add `rljob.io/pool: cpu` nodes too, and an
+# environment replica placed on one of theirs (gone with its test) never became ready.
+POOL = f"cpu-agent-{uuid.uuid4().hex[:6]}"
+
+
 @pytest.fixture
 def cpu_node(cluster: Any) -> Iterator[str]:
     (name,) = cluster.add_nodes(
@@ -51,7 +56,7 @@ def cpu_node(cluster: Any) -> Iterator[str]:
         name_prefix=f"e2e-agent-{uuid.uuid4().hex[:6]}",
         resource=None,
         per_node=0,
-        labels={"rljob.io/pool": "cpu"},
+        labels={"rljob.io/pool": POOL},
         cpu="8",
         memory="32Gi",
         exec_local=True,
@@ -78,7 +83,11 @@ def _manifest() -> dict[str, Any]:
         "maxTokens": 4,
         "weight": 0.5,
     }
-    spec["rolloutPool"] = {"nodeSelector": {"rljob.io/pool": "cpu"}}  # where judge pods go
+    # Every pod on this test's node: the trainer, the judge (rollout pool) and the environments.
+    for pool in ("trainerPool", "rolloutPool"):
+        spec[pool] = {"nodeSelector": {"rljob.io/pool": POOL}}
+    for env in spec["environments"]:
+        env["nodeSelector"] = {"rljob.io/pool": POOL}
     return manifest
 
 

@@ -110,7 +110,7 @@ def _alive(pid: int) -> bool:
 
 
 def tiny_job(name: str, pool: str, *, steps: int, priority_class: str, claim: str | None) -> dict[str, Any]:
-    """examples/tiny-cpu.yaml on one pod (1 cpu, 2Gi): the Ray head, the driver, one rank and a
+    """examples/tiny-cpu.yaml on one pod (1 cpu, 4Gi): the Ray head, the driver, one rank and a
     colocated engine; admitted through LocalQueue `team-queue` with `priority_class`."""
     manifest = yaml.safe_load(TINY.read_text())
     manifest["metadata"] = {
@@ -180,7 +180,7 @@ def test_a_preempted_job_checkpoints_on_request_waits_queued_and_resumes_at_that
         flavor=f"flavor-{namespace}"[:63],
         cluster_queue=f"cq-{namespace}"[:63],
         local_queue="team-queue",
-        quota={"cpu": "1", "memory": "2Gi"},  # one tiny job at a time
+        quota={"cpu": "1", "memory": "4Gi"},  # one tiny job at a time (the example asks 1 cpu, 4Gi)
     )
     queues[1]["spec"]["preemption"] = {"withinClusterQueue": "LowerPriority"}
     classes = [workload_priority_class(low_class, 100), workload_priority_class(high_class, 1000)]

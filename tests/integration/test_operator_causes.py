@@ -353,7 +353,10 @@ def test_every_example_shows_a_phase_and_its_cause_within_30s(
             names_ = [d["metadata"]["name"] for p in sorted(base.REPO.glob("examples/*.yaml"))
                       for d in yaml.safe_load_all(p.read_text()) if d]  # fmt: skip
 
+            untold: dict[str, Any] = {}
+
             def explained() -> bool:
+                untold.clear()
                 for name in names_:
                     st = job_status(cluster, namespace, name)
                     ready, planned = condition(st, "Ready"), condition(st, "Planned")
@@ -362,11 +365,21 @@ def test_every_example_shows_a_phase_and_its_cause_within_30s(
                         for c in (ready, planned)
                     )
                     if not (st.get("phase") and told):
-                        return False
-                    seen[name] = st
-                return True
+                        untold[name] = {"phase": st.get("phase"), "Ready": ready, "Planned": planned}
+                    else:
+                        seen[name] = st
+                return not untold
 
-            wait_for("every example explained", explained, 30)
+            try:
+                wait_for("every example explained", explained, 30)
+            except AssertionError as error:
+                stuck = {
+                    p["metadata"]["name"]: p.get("status")
+                    for name in untold
+                    for p in pods(cluster, namespace, name)
+                    if p.get("status", {}).get("phase") != "Running"
+                }
+                raise AssertionError(f"{error}\nnot explained: {untold}\ntheir pods: {stuck}") from None
             # The scheduler refuses pods whose claims are unbound; the next reconcile names them.
             for job in ("qwen3-8b-ascend", "qwen35-4b-gsm8k"):
                 seen[job] = until_reason(cluster, namespace, job, "Ready", "ClaimNotBound", 30)

@@ -240,7 +240,9 @@ def test_a_server_still_starting_is_no_warning_until_its_grace_passes_then_it_is
     env = cond(st, "EnvironmentsReady")
     assert (env.status, env.reason) == ("False", "EnvironmentsStarting")
     assert status.event_type(env) == "Normal"
-    assert cond(st, "Ready").reason == "PodsPending"
+    ready = cond(st, "Ready")  # the job waits for its server, and says so (a Normal event)
+    assert ready.reason == "EnvironmentsStarting" and status.event_type(ready) == "Normal"
+    assert "environment arith: pod " in ready.message and "readiness probe not passed yet" in ready.message
     later = compute(pods, now=T0 + timedelta(seconds=status.ENVIRONMENT_READINESS_GRACE_S + 5))
     env = cond(later, "EnvironmentsReady")
     assert env.reason == "EnvironmentNotReady" and status.event_type(env) == "Warning"

@@ -311,12 +311,18 @@ def _pod_issue(
     now: datetime | None = None,
 ) -> tuple[str, str] | None:
     """The first pod-level cause that keeps the attempt from running: (reason, message naming the pod).
-    An environment server also counts while it runs without being ready (`_environment_issue`)."""
+    An environment server also counts while it runs without being ready (`_environment_issue`); one
+    still within its readiness grace is the cause only where nothing else is (EnvironmentsStarting:
+    the job waits for its servers, which "PodsPending" would not say)."""
+    starting: tuple[str, str] | None = None
     for p in sorted(pods, key=lambda p: (p.role != names.ROLE_TRAINER, p.role, p.index)):
         if p.role == names.ROLE_ENVIRONMENT and spec is not None and p.phase == "Running":
             issue = _environment_issue(p, spec, now)
             if issue is not None and issue[0] != ENVIRONMENTS_STARTING:
                 return issue
+            if issue is not None and starting is None:
+                head = f"environment {p.environment}: " if p.environment else ""
+                starting = (issue[0], f"{head}{issue[1]}, its readiness probe not passed yet")
             continue
         if p.deleting or p.phase != "Pending":
             continue
@@ -326,7 +332,7 @@ def _pod_issue(
             return "ClaimNotBound", f"{'; '.join(unbound_claims)} (pod {p.name} waits for it)"
         if p.unschedulable:
             return "Unschedulable", f"pod {p.name}: {p.unschedulable}"
-    return None
+    return starting
 
 
 ENVIRONMENTS_STARTING = "EnvironmentsStarting"
