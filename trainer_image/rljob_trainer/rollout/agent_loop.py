@@ -183,7 +183,9 @@ class AgentLoop:
             self._timed, self.env.step, episode.env_replica, episode.env_episode_id, action
         )
 
-    def submit_episode(self, episode_id: str, seed: int, base_url: str, model: str) -> concurrent.futures.Future[Any]:
+    def submit_episode(
+        self, episode_id: str, seed: int, base_url: str, model: str
+    ) -> concurrent.futures.Future[Any]:
         """A whole episode run by an environment of mode agent (`POST /episode`), with the environment's
         task and the group's seed; its agent calls the endpoint at `base_url` meanwhile."""
         if self.env is None:

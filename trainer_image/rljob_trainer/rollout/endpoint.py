@@ -73,7 +73,9 @@ class EndpointEpisode:
     """One open episode: the calls its agent made and what they returned. HTTP threads add calls and
     records (under its lock); the pipeline reads them once the episode is over."""
 
-    def __init__(self, episode_id: str, key: int, index: int, *, max_calls: int, sampling: tuple[float, float]) -> None:
+    def __init__(
+        self, episode_id: str, key: int, index: int, *, max_calls: int, sampling: tuple[float, float]
+    ) -> None:
         self.id = episode_id
         self.key, self.index = key, index  # its pipeline job and request
         self.max_calls = max_calls
@@ -203,7 +205,9 @@ class Endpoint:
             self._inbox = [c for c in self._inbox if c.episode is not ep]
         for call in waiting:
             if not call.future.done():
-                call.future.set_exception(EpisodeClosed(f"episode {ep.id} ended before this call was answered"))
+                call.future.set_exception(
+                    EpisodeClosed(f"episode {ep.id} ended before this call was answered")
+                )
 
     def drain(self) -> list[PendingCall]:
         """The calls waiting for the engines, oldest first (the pipeline queues them)."""
@@ -267,7 +271,9 @@ class Endpoint:
             routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
             if path not in routes:
                 raise openai_wire.WireError(
-                    404, f"no path {path}: POST /v1/chat/completions, /v1/completions; GET /v1/models", code="not_found"
+                    404,
+                    f"no path {path}: POST /v1/chat/completions, /v1/completions; GET /v1/models",
+                    code="not_found",
                 )
             if method != "POST":
                 raise openai_wire.WireError(405, f"{path} takes POST", code="method_not_allowed")
@@ -296,7 +302,9 @@ class Endpoint:
             )
         return ep
 
-    def _wait(self, ep: EndpointEpisode, prompt_ids: list[int], n: int, max_tokens: int, call: int) -> list[base.GenerationOutput]:
+    def _wait(
+        self, ep: EndpointEpisode, prompt_ids: list[int], n: int, max_tokens: int, call: int
+    ) -> list[base.GenerationOutput]:
         pending = PendingCall(ep, call, tuple(prompt_ids), n, max_tokens, self.clock())
         with self._lock:
             if not ep.open:
@@ -312,7 +320,7 @@ class Endpoint:
         except concurrent.futures.TimeoutError:
             raise openai_wire.WireError(
                 504,
-                f"no engine answered within {self.limits.call_timeout_s:g} s (the environment's timeoutSeconds)",
+                f"no engine answered within {self.limits.call_timeout_s:g} s (the environment's timeoutS)",
                 code="timeout",
                 kind="server_error",
             ) from None

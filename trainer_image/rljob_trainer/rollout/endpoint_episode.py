@@ -109,7 +109,7 @@ def find_completion_continuation(
     for rec in records:
         for text, ids in rec.answers:
             head = rec.prompt_text + text
-            if ids and ids[-1] in eos_ids or not prompt.startswith(head) or len(prompt) == len(head):
+            if (ids and ids[-1] in eos_ids) or not prompt.startswith(head) or len(prompt) == len(head):
                 continue
             if best is None or len(rec.prompt_ids) + len(ids) > len(best[0]):
                 best = ((*rec.prompt_ids, *ids), prompt[len(head) :])
@@ -138,7 +138,9 @@ class PromptRenderer:
             self._formats[key] = fmt
         return fmt
 
-    def render_chat(self, messages: Sequence[openai_wire.Message], tools: Sequence[dict[str, Any]]) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[openai_wire.Message], tools: Sequence[dict[str, Any]]
+    ) -> list[int]:
         """The whole conversation through the chat template, with the generation prompt."""
         fmt = self.format(tools)
         msgs = [m.template_message() for m in messages]
@@ -152,9 +154,13 @@ class PromptRenderer:
         elif tools:
             kwargs["tools"] = list(tools)
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+            text = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False, **kwargs
+            )
         except Exception as exc:  # the template's own error (jinja raise_exception, a missing field)
-            raise openai_wire.bad(f"the model's chat template refused these messages: {exc}", "messages") from None
+            raise openai_wire.bad(
+                f"the model's chat template refused these messages: {exc}", "messages"
+            ) from None
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 
     def chat_prompt(
@@ -187,7 +193,9 @@ class PromptRenderer:
             vocab = len(self.tokenizer)
             bad = next((t for t in prompt if t >= vocab), None)
             if bad is not None:
-                raise openai_wire.bad(f"prompt holds token id {bad}, outside the vocabulary ({vocab})", "prompt")
+                raise openai_wire.bad(
+                    f"prompt holds token id {bad}, outside the vocabulary ({vocab})", "prompt"
+                )
             return list(prompt), False
         found = find_completion_continuation(records, prompt, self.eos_ids)
         if found is not None:
@@ -214,7 +222,11 @@ def assemble_segments(turns: Iterable[RecordedTurn]) -> list[agent.Episode]:
     segments: list[agent.Episode] = []
     for t in sorted(turns, key=lambda t: (t.call, t.choice)):
         prompt = tuple(t.output.prompt_token_ids)
-        fits = [s for s in segments if len(s.context) <= len(prompt) and prompt[: len(s.context)] == tuple(s.context)]
+        fits = [
+            s
+            for s in segments
+            if len(s.context) <= len(prompt) and prompt[: len(s.context)] == tuple(s.context)
+        ]
         seg = max(fits, key=lambda s: len(s.context), default=None)
         if seg is None:
             seg = agent.Episode(prompt, budget=sys.maxsize, max_turns=sys.maxsize)

@@ -202,7 +202,12 @@ class EnvironmentClient:
         """A whole episode on the next replica (mode agent): it answers once its agent is done, within
         `timeoutS`. A replica that is unreachable is passed over (each at most once); one that does not
         answer in time fails the episode (its agent may have called the endpoint already)."""
-        body: dict[str, Any] = {"episode_id": episode_id, "seed": int(seed), "base_url": base_url, "model": model}
+        body: dict[str, Any] = {
+            "episode_id": episode_id,
+            "seed": int(seed),
+            "base_url": base_url,
+            "model": model,
+        }
         if task is not None:
             body["task"] = task
         with self._lock:

@@ -99,7 +99,9 @@ _COMPLETION_FIELDS = frozenset(
     }
 )
 # A hermes tool call in a turn's text (`rollout.tools`), removed from the content it is returned apart from.
-_TOOL_CALL = re.compile(re.escape(tools_mod.TOOL_CALL_OPEN) + r".*?" + re.escape(tools_mod.TOOL_CALL_CLOSE), re.DOTALL)
+_TOOL_CALL = re.compile(
+    re.escape(tools_mod.TOOL_CALL_OPEN) + r".*?" + re.escape(tools_mod.TOOL_CALL_CLOSE), re.DOTALL
+)
 # The legacy completions API's default (OpenAI's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -249,7 +251,9 @@ def _common(body: Any, allowed: frozenset[str]) -> None:
                 f"{key} changes what is sampled, and the trainer could not train on it exactly: omit it", key
             )
     if body.get("logit_bias"):
-        raise bad("logit_bias changes what is sampled, and the trainer could not train on it: omit it", "logit_bias")
+        raise bad(
+            "logit_bias changes what is sampled, and the trainer could not train on it: omit it", "logit_bias"
+        )
     if not isinstance(body.get("return_token_ids", False), bool):
         raise bad("return_token_ids must be true or false", "return_token_ids")
 
@@ -277,7 +281,11 @@ def _content(value: Any, where: str) -> str:
     if isinstance(value, list):
         parts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise bad(
                     f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are served; the "
                     "job's model reads text",
@@ -470,7 +478,9 @@ class Choice:
     tool_calls: tuple[dict[str, Any], ...] = ()  # OpenAI's tool_calls objects
 
 
-def apply_stop(token_ids: Sequence[int], text_of: Callable[[Sequence[int]], str], stop: Sequence[str]) -> int | None:
+def apply_stop(
+    token_ids: Sequence[int], text_of: Callable[[Sequence[int]], str], stop: Sequence[str]
+) -> int | None:
     """How many tokens to keep when a stop string appears in their text, or None: the longest prefix
     whose text ends at or before the first stop string. The text returned is that prefix's text, so a
     choice's text always decodes its recorded tokens (a token that holds the stop string's first
@@ -595,7 +605,12 @@ def completion_response(
     """A `text_completion` body (legacy completions)."""
     out_choices = []
     for i, c in enumerate(choices):
-        entry: dict[str, Any] = {"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+        entry: dict[str, Any] = {
+            "index": i,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": None,
+        }
         if request.logprobs:
             texts = [token_text(t) for t in c.token_ids]
             offsets, at = [], 0

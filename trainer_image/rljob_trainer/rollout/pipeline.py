@@ -317,7 +317,9 @@ class RolloutPipeline:
         episode's base URL; an earlier run of the same episode (too stale) is closed first."""
         loop, endpoint = self.agent, self.endpoint
         if loop is None or endpoint is None:
-            raise RuntimeError("an environment of mode agent needs the job's endpoint (trainer config `endpoint`)")
+            raise RuntimeError(
+                "an environment of mode agent needs the job's endpoint (trainer config `endpoint`)"
+            )
         old = self._endpoint_eps.pop((key, i), None)
         if old is not None:
             self._close_endpoint_episode(old)
@@ -395,7 +397,7 @@ class RolloutPipeline:
         self._close_endpoint_episode(ep)
         job, loop = self.jobs[call.key], self.agent
         assert loop is not None
-        result, seconds = fut.result()
+        result, _ = fut.result()
         now = self.clock()
         turns = [] if isinstance(result, environment_client.EnvironmentCallError) else ep.turns()
         meta = {"episode_id": ep.id}
@@ -526,7 +528,9 @@ class RolloutPipeline:
         waiting: list[concurrent.futures.Future[Any]] = list(self.side)
         if self.endpoint is not None:
             waiting.append(self.endpoint.wake)
-        done, _ = concurrent.futures.wait(waiting, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        done, _ = concurrent.futures.wait(
+            waiting, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+        )
         for fut in done:
             if fut in self.side:
                 self._collect_side(fut)
