@@ -64,7 +64,7 @@ def running() -> Iterator[Any]:
     """start(api, token) -> (pipeline, engines, agent environment, endpoint); all stopped afterwards."""
     stop: list[Any] = []
 
-    def start(api: str = "chat", token: str | None = TOKEN, **kw: Any) -> Any:
+    def start(api: str = "chat", token: str | None = TOKEN, script: Any = None, **kw: Any) -> Any:
         env = AgentEnvironment(token, api=api)
         url, httpd = serve(env)
         stop.append(httpd.shutdown)
@@ -72,7 +72,7 @@ def running() -> Iterator[Any]:
         ep = _endpoint(cfg)
         ep.start()
         stop.append(ep.stop)
-        pipe, engines, _, loop = make_pipeline(cfg, say, endpoint=ep)
+        pipe, engines, _, loop = make_pipeline(cfg, script or say, endpoint=ep)
         stop.append(loop.close)
         return pipe, engines, env, ep
 
@@ -251,3 +251,48 @@ def test_config_mode_agent_needs_the_endpoint_and_no_tools() -> None:
     good["agent"]["tools"] = [{"name": "calc", "kind": "calculator"}]
     with pytest.raises(ValueError, match=r"remove agent\.tools"):
         config.parse_config(good)
+
+
+def test_a_call_interrupted_at_a_weight_sync_resumes_and_keeps_each_tokens_version(running) -> None:
+    long_answer = "42" * 12  # 25 tokens with EOS: several polls of the scripted engine
+
+    def script(text: str) -> str:  # a resumed call goes on from the tokens it has, as an engine does
+        if "say 42" not in text.lower():
+            return "?"
+        return long_answer[len(text.rsplit("assistant: ", 1)[1]) :]
+
+    pipe, (a, b), env, _ = running("chat", script=script)
+    pipe.cfg.rollout.partial_rollouts = True
+    # Steps 1 and 2 are in flight (maxStaleness 1); the trainer takes step 1 next, so a call of step
+    # 2 is interrupted at the sync. Run until one is generating (it has some of its tokens).
+
+    def ahead() -> bool:
+        return any(
+            r in pipe._call_of and pipe._request_of[r][0] > 1 and c.engine in ("a", "b")
+            for c in pipe.calls.values()
+            for r in c.ids
+        )
+
+    pipe.pump(ahead, current=1)
+    assert ahead()
+    interrupted = pipe.quiesce(["a", "b"])
+    assert interrupted and pipe.interrupted > 0
+    a.version = b.version = 1
+    pipe.resume_engines(interrupted)
+    pipe.pump(lambda: all(j.complete for j in pipe.jobs.values()), current=1)
+    resumed = [
+        s for j in pipe.jobs.values() for o in j.outputs for s in o.segments if s.meta.get("interrupts")
+    ]
+    assert resumed
+    for s in resumed:
+        gen = [v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m]
+        assert gen == sorted(gen) and gen[0] == 0 and gen[-1] == 1  # each token its own version
+        assert s.meta["version"] == 0  # the oldest: what the staleness bound reads
+        # The agent read the whole answer, across the sync, and the sample holds exactly its tokens.
+        assert TOK.decode(s.token_ids).startswith(long_answer + TOK.eos_token)
+    assert sorted(pipe.jobs) == [1, 2]
+    assert all(o.env_reward == 1.0 for j in pipe.jobs.values() for o in j.outputs)
+    for j in pipe.jobs.values():
+        for o in j.outputs:
+            for _, body in env.answers[o.meta["episode_id"]]:
+                assert body["choices"][0]["message"]["content"] == long_answer
