@@ -1,7 +1,8 @@
-"""An environment of mode agent for the endpoint's tests: a stdlib HTTP server whose `POST /episode`
-runs an agent written against OpenAI's wire format (plain `urllib`, as any OpenAI client sends it)
-on the base URL the trainer gives it, and answers the episode's reward. It keeps every answer the
-endpoint gave, by episode, for the tests to read.
+"""An environment of mode agent for the endpoint's tests, served by rljob_env's stdlib HTTP server
+(`rljob_env.server`, on a thread): its `POST /episode` runs an agent written against OpenAI's wire
+format (plain `urllib`, as any OpenAI client sends it) on the base URL the trainer gives it, and
+answers the episode's reward. It keeps every answer the endpoint gave, by episode, for the tests to
+read.
 
 The agent says what it is asked: its first call asks for 42, its second (the conversation sent back
 as it was answered, then the environment's next words) asks again; half a point per answer that says
@@ -13,8 +14,11 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Mapping
+from http.server import ThreadingHTTPServer
 from typing import Any
+
+from rljob_env import server
 
 
 def call(url: str, body: dict[str, Any] | None, token: str | None) -> tuple[int, dict[str, Any]]:
@@ -34,6 +38,8 @@ def call(url: str, body: dict[str, Any] | None, token: str | None) -> tuple[int,
 class AgentEnvironment:
     """The server's state: the token its agent sends, the API it uses, what the endpoint answered."""
 
+    name = "agent"
+
     def __init__(self, token: str | None, api: str = "chat", calls: int = 2) -> None:
         self.token = token
         self.api = api
@@ -42,8 +48,10 @@ class AgentEnvironment:
         self.answers: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # episode id -> (status, body)
         self.requests: list[dict[str, Any]] = []  # the POST /episode bodies
 
-    def run(self, body: dict[str, Any]) -> dict[str, Any]:
-        base, model, seed = body["base_url"], body["model"], body["seed"]
+    def run_episode(
+        self, episode_id: str, seed: int, task: str | Mapping[str, Any] | None, base_url: str, model: str
+    ) -> tuple[float, dict[str, Any]]:
+        base = base_url
         answers: list[tuple[int, dict[str, Any]]] = []
         reward = 0.0
         if self.api == "chat":
@@ -83,36 +91,14 @@ class AgentEnvironment:
                 text = out["choices"][0]["text"]
                 reward += 0.5 if "42" in text else 0.0
                 prompt += text + "\nAgain: say 42.\n"
+        body = {"episode_id": episode_id, "seed": seed, "task": task, "base_url": base_url, "model": model}
         with self.lock:
-            self.answers[body["episode_id"]] = answers
+            self.answers[episode_id] = answers
             self.requests.append(body)
-        return {"reward": reward, "info": {"calls": len(answers)}}
+        return reward, {"calls": len(answers)}
 
 
 def serve(env: AgentEnvironment) -> tuple[str, ThreadingHTTPServer]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # quiet
-            pass
-
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._send(200 if self.path == "/healthz" else 404, {})
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            if self.path != "/episode":
-                self._send(404, {"error": f"no path {self.path}"})
-                return
-            self._send(200, env.run(body))
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
+    httpd = server.make_server(env, 0, "127.0.0.1")
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{httpd.server_address[1]}", httpd

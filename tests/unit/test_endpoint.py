@@ -174,10 +174,18 @@ def test_an_endpoint_without_its_token_does_not_start() -> None:
 # ---- what the trainer trains on ---------------------------------------------------------------------
 def test_an_episodes_calls_are_its_sample_with_the_engines_tokens_and_logprobs(running) -> None:
     pipe, (a, b), env, _ = running("chat")
+    pins: dict[tuple[str, int], str | None] = {}  # (episode, call) -> the engine its request waits for
+
+    class Recorded(dict):
+        def __setitem__(self, rid: int, value: Any) -> None:
+            call, _ = value
+            pins[(call.episode.id, call.call)] = pipe.dispatcher.pinned_to(rid)
+            super().__setitem__(rid, value)
+
+    pipe._call_of = Recorded()
     pipe.pump(lambda: pipe.jobs[1].complete and pipe.jobs[2].complete, current=1)
     outs = [*pipe.jobs[1].outputs, *pipe.jobs[2].outputs]
     engine_of = {a.name: a.mark, b.name: b.mark}
-    marks = set()
     for out in outs:
         assert isinstance(out, endpoint_episode.EndpointEpisodeOutput) and out.failure is None
         # The agent sent its conversation back as it was answered: one sample, as the trainer's loop.
@@ -204,11 +212,12 @@ def test_an_episodes_calls_are_its_sample_with_the_engines_tokens_and_logprobs(r
         mark = round(-lps[0])
         assert round(-lps2[0]) == mark and out.meta["engine"] in engine_of
         assert engine_of[out.meta["engine"]] == mark
-        marks.add(mark)
+        # The second call was queued pinned to the first call's engine (the first went anywhere).
+        episode = out.meta["episode_id"]
+        assert pins[(episode, 0)] is None and pins[(episode, 1)] == out.meta["engine"]
         # What the driver trains on: the sample itself, with its episode's advantage.
         samples, advs = endpoint_episode.training_outputs([out], [0.5])
         assert samples == [out.segments[0]] and advs == [0.5]
-    assert marks == {1, 2}  # the episodes spread over both engines, each staying on its own
     # Each engine call of an episode asked for that episode's context: the second call's prompt on
     # the engine is the first call's prompt + tokens + observation.
     prompts = [tuple(p) for e in (a, b) for c in e.calls for p in c.prompts]
