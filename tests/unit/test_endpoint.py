@@ -305,3 +305,16 @@ def test_a_call_interrupted_at_a_weight_sync_resumes_and_keeps_each_tokens_versi
         for o in j.outputs:
             for _, body in env.answers[o.meta["episode_id"]]:
                 assert body["choices"][0]["message"]["content"] == long_answer
+
+
+def test_evaluation_runs_endpoint_episodes_at_its_own_sampling(running) -> None:
+    pipe, (a, b), env, _ = running("chat")
+    pipe.wait_for_batch(1)  # training's episodes first (the job's temperature, 1.0)
+    before = {id(c) for e in (a, b) for c in e.calls}
+    outs = pipe.run_episodes([], [11, 12], temperature=0.25, top_p=0.5)
+    assert len(outs) == 2 and all(o.env_reward == 1.0 and len(o.segments) == 1 for o in outs)
+    calls = [c for e in (a, b) for c in e.calls if id(c) not in before]
+    # The evaluation's calls hold only its own requests, sampled at its settings.
+    assert calls and {(c.sampling.temperature, c.sampling.top_p) for c in calls} == {(0.25, 0.5)}
+    seeds = sorted(r["seed"] for r in env.requests if r["episode_id"] in {o.meta["episode_id"] for o in outs})
+    assert seeds == [11, 12]
