@@ -135,6 +135,10 @@ def test_completions_answer_in_openai_format_with_logprobs(running) -> None:
     for seg in out.segments:
         assert TOK.decode(seg.token_ids) == "42" + TOK.eos_token and seg.loss_mask == (1, 1, 1)
     assert out.segments[0].logprobs == pytest.approx(tuple(lp["token_logprobs"]))
+    # What the driver trains: each segment a sample, with its episode's advantage.
+    other = job.outputs[1]
+    samples, advs = endpoint_episode.training_outputs([out, other], [0.5, -1.0])
+    assert samples == [*out.segments, *other.segments] and advs == [0.5, 0.5, -1.0, -1.0]
 
 
 def test_a_call_without_the_jobs_token_is_refused_401(running) -> None:
