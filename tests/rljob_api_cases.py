@@ -348,6 +348,17 @@ INVALID_CASES: list[InvalidCase] = [
         "must name an entry of spec.environments",
     ),
     InvalidCase(
+        "cel-agent-mode-environment-without-tools",
+        {
+            "spec.rollout": {
+                "agent": {"environment": "web", "tools": [{"name": "calc", "kind": "calculator"}]}
+            },
+            "spec.environments": [{"name": "web", "mode": "agent"}],
+        },
+        "spec.rollout.agent.tools",
+        "runs its own agent, which offers its own tools",
+    ),
+    InvalidCase(
         "range-environment-port-privileged",
         {"spec.environments": [{"name": "arith", "port": 80}]},
         "spec.environments[0].port",

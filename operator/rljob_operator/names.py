@@ -42,6 +42,7 @@ ROLE_ENVIRONMENT = "environment"  # spec.environments[]: servers the episodes re
 ROLE_CONFIG = "config"
 ROLE_TELEMETRY = "telemetry"
 ROLE_RAY_AUTH = "ray-auth"
+ROLE_ENDPOINT = "endpoint"  # the job's OpenAI-compatible endpoint: its token Secret, its NetworkPolicy
 ROLE_FENCE = "network"
 
 # Mount point of the `<job>-config` ConfigMap (docs/contracts.md §2: RLJOB_CONFIG_PATH lives here).
@@ -254,6 +255,23 @@ def ray_auth_secret_name(job: str, uid: str | None) -> str:
     grants no `get` on Secrets), so a name taken is always this job's own. Offline (`rljob render`,
     no uid) the suffix is left out."""
     return f"{job}-ray-auth-{uid[:8]}" if uid else f"{job}-ray-auth"
+
+
+def endpoint_secret_name(job: str, uid: str | None) -> str:
+    """`<job>-endpoint-<uid[:8]>`: the Secret holding the token of the job's OpenAI-compatible endpoint
+    (environments of mode agent). The uid is in the name for the reason `ray_auth_secret_name` gives."""
+    return f"{job}-endpoint-{uid[:8]}" if uid else f"{job}-endpoint"
+
+
+def endpoint_network_policy_name(job: str) -> str:
+    """`<job>-env-endpoint`: lets the job's environment pods of mode agent reach the endpoint."""
+    return f"{job}-env-endpoint"
+
+
+def endpoint_url(job: str, namespace: str, port: int) -> str:
+    """The endpoint's base URL as the environment pods reach it (trainer pod 0, no /v1):
+    `http://<job>-trainer-0.<job>.<ns>.svc:<port>`."""
+    return f"http://{ray_head_host(job, namespace)}:{port}"
 
 
 def network_policy_name(job: str) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -364,3 +365,88 @@ def test_a_queued_jobs_environments_are_in_its_kueue_workload_and_placed_on_its_
         cluster.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "workloads", "--all", "-n", namespace, "--wait=true", check=False)
         cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(queues), check=False)
+
+
+def test_an_agent_environment_gets_the_jobs_endpoint_token_and_the_one_way_to_reach_it(
+    cluster: Any,
+    crd: None,
+    namespace: str,
+    pool: Callable[..., str],
+    local_cpu_node: str,
+    operator_identity: str,
+) -> None:
+    """An environment of mode agent: the operator makes the job's endpoint token Secret (immutable,
+    owned by the job), hands it to trainer pod 0 (with its port `endpoint`) and to the environment's
+    servers, whose processes really hold it, and opens exactly one way out of their fence: trainer
+    pod 0's endpoint port (and DNS), which the job's own NetworkPolicy admits from them only."""
+    import base64
+
+    gpu_pool = pool(1)
+    job = rljob(
+        "agentic",
+        gpu_pool,
+        [{"name": "arith", "mode": "agent", "nodeSelector": {"pool": local_cpu_node}}],
+    )
+    del job["spec"]["rollout"]["agent"]["tools"]  # its agent brings its own (CEL refuses both)
+    with operator(namespace):
+        apply(cluster, namespace, job)
+
+        def ready() -> dict[str, Any]:
+            st = job_status(cluster, namespace, "agentic")
+            envs = st.get("environments") or []
+            return st if envs and envs[0].get("readyReplicas") == 1 else {}
+
+        wait_for("the agent environment's server ready", ready, timeout_s=120)
+        uid = cluster.get_json("rljob", "agentic", namespace=namespace)["metadata"]["uid"]
+        secret_name = f"agentic-endpoint-{uid[:8]}"
+        secret = cluster.get_json("secret", secret_name, namespace=namespace)
+        assert secret is not None and secret["immutable"] is True
+        assert secret["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, hex
+
+        (trainer,) = pods_of(cluster, namespace, "rljob.io/role=trainer")
+        container = trainer["spec"]["containers"][0]
+        assert {"name": "endpoint", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+        by_name = {e["name"]: e for e in container["env"]}
+        ref = {"secretKeyRef": {"name": secret_name, "key": "token"}}
+        assert (
+            by_name["RLJOB_ENDPOINT_TOKEN"]["valueFrom"] == ref
+            and "value" not in by_name["RLJOB_ENDPOINT_TOKEN"]
+        )
+
+        (env_pod,) = pods_of(cluster, namespace, "rljob.io/role=environment")
+        env_vars = {e["name"]: e for e in env_pod["spec"]["containers"][0]["env"]}
+        assert env_vars["OPENAI_API_KEY"]["valueFrom"] == ref
+        # The kubelet resolved the reference: the server's process holds the token.
+        pids = cluster.kubelet.local_pids(namespace, env_pod["metadata"]["name"])
+        environ = psutil.Process(pids[0]).environ()
+        assert environ["OPENAI_API_KEY"] == token == environ["RLJOB_ENDPOINT_TOKEN"]
+
+        config = cluster.get_json("configmap", "agentic-config", namespace=namespace)
+        trainer_json = json.loads(config["data"]["trainer.json"])
+        assert trainer_json["endpoint"]["url"] == f"http://agentic-trainer-0.agentic.{namespace}.svc:8000"
+        assert trainer_json["environments"][0]["mode"] == "agent"
+        assert token not in json.dumps(config)  # the token is only in its Secret
+
+        opening = cluster.get_json("networkpolicy", "agentic-env-endpoint", namespace=namespace)
+        assert opening["spec"]["policyTypes"] == ["Egress"]
+        to_trainer = opening["spec"]["egress"][0]
+        assert to_trainer["ports"] == [{"protocol": "TCP", "port": 8000}]
+        assert to_trainer["to"][0]["podSelector"]["matchLabels"]["rljob.io/index"] == "0"
+        main = cluster.get_json("networkpolicy", "agentic", namespace=namespace)
+        admitted = [
+            r for r in main["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": "endpoint"}]
+        ]
+        (rule,) = admitted
+        assert rule["from"][0]["podSelector"]["matchLabels"]["rljob.io/role"] == "environment"
+
+        cluster.kubectl("delete", "rljob", "agentic", "-n", namespace, "--wait=true", "--timeout=60s")
+
+        def gone() -> bool:
+            return (
+                cluster.get_json("secret", secret_name, namespace=namespace) is None
+                and cluster.get_json("networkpolicy", "agentic-env-endpoint", namespace=namespace) is None
+            )
+
+        wait_for("the token Secret and the opening deleted with the job", gone, timeout_s=60)

@@ -152,7 +152,9 @@ class Owner:
     def reconcile_dedicated(self) -> None: ...
 
 
-def make_pipeline(cfg: config.TrainerConfig, script: Callable[[str], str], **loop_kwargs: Any):
+def make_pipeline(
+    cfg: config.TrainerConfig, script: Callable[[str], str], *, endpoint: Any = None, **loop_kwargs: Any
+):
     dispatch = dispatcher.Dispatcher(time.monotonic)
     a, b = Engine("a", mark=1.0), Engine("b", mark=2.0)
     engines = {
@@ -173,6 +175,7 @@ def make_pipeline(cfg: config.TrainerConfig, script: Callable[[str], str], **loo
         encode_prompt=loop.prompt_ids,
         clock=time.monotonic,
         agent_loop=loop,
+        endpoint=endpoint,
     )
     owner.pipe = rt.pipe = pipe
     pipe.start_at(sources.SamplerState(), 1)

@@ -449,7 +449,15 @@ def _rare_cases(model: type[api.base._Model]) -> list[Any]:
         return []
     spec = api.RLJobSpec.model_validate(MINIMAL_SPEC)
     config = api.ModelConfigSource.model_construct(inline={"model_type": "qwen2", "head_dim": 16})
-    return [spec.model_copy(update={"model": spec.model.model_copy(update={"config": config})})]
+    # An environment of mode agent named by an agent that also brings tools of its own.
+    agent = api.AgentSpec.model_construct(
+        environment="web", tools=[api.ToolSpec.model_validate({"name": "calc", "kind": "calculator"})]
+    )
+    web = api.EnvironmentSpec.model_validate({"name": "web", "mode": "agent"})
+    mode_agent = spec.model_copy(
+        update={"environments": [web], "rollout": spec.rollout.model_copy(update={"agent": agent})}
+    )
+    return [spec.model_copy(update={"model": spec.model.model_copy(update={"config": config})}), mode_agent]
 
 
 @pytest.mark.parametrize("model", _rule_models(), ids=lambda m: m.__name__)

@@ -113,3 +113,33 @@ def test_at_most_max_episodes_stay_open_and_the_oldest_goes() -> None:
     assert table.open_episodes == 2
     assert table.close({"episode_id": ids[0]}) == {"closed": False}  # the oldest went
     assert table.close({"episode_id": ids[2]}) == {"closed": True}
+
+
+class _Agentic:
+    """An environment of mode agent: its episode's reward is its seed, its info what it was given."""
+
+    name = "agentic"
+
+    def run_episode(self, episode_id, seed, task, base_url, model):
+        if task == "impossible":
+            raise server.TaskError("unknown task impossible")
+        return float(seed), {"url": base_url, "model": model, "id": episode_id}
+
+
+def test_an_environment_of_mode_agent_runs_whole_episodes_and_refuses_reset() -> None:
+    table = server.EnvironmentServer(_Agentic())
+    body = {"episode_id": "e1", "seed": 3, "base_url": "http://t:8000/episodes/e1/v1", "model": "m"}
+    assert table.episode(body) == {"reward": 3.0, "info": {"url": body["base_url"], "model": "m", "id": "e1"}}
+    for bad, field in (({"seed": "3"}, "seed"), ({"base_url": ""}, "base_url"), ({"model": None}, "model")):
+        with pytest.raises(server.ProtocolError, match=field) as exc:
+            table.episode({**body, **bad})
+        assert exc.value.status == 400
+    with pytest.raises(server.ProtocolError, match="unknown task"):
+        table.episode({**body, "task": "impossible"})
+    with pytest.raises(server.ProtocolError, match="mode agent") as exc:
+        table.reset({"seed": 1})
+    assert exc.value.status == 404
+    steps = server.EnvironmentServer(arithmetic.Arithmetic())
+    with pytest.raises(server.ProtocolError, match="mode steps") as exc:
+        steps.episode(body)
+    assert exc.value.status == 404

@@ -10,6 +10,11 @@ The protocol (JSON bodies, UTF-8):
   an episode's reward is the sum of its steps' rewards; after `done` the episode is gone;
 - `POST /close {"episode_id"}` -> 200 `{"closed": bool}` (an episode the client abandons);
 - `GET /healthz` -> 200 `{"status": "ok", "episodes": n}` (the pod's readiness probe).
+An environment of mode agent (an `AgentEnvironment`: it runs whole episodes with its own agent)
+serves instead
+- `POST /episode {"episode_id", "seed": int, "task"?, "base_url": str, "model": str}` -> 200
+  `{"reward", "info"}` once the episode is over: its agent calls the job's OpenAI-compatible
+  endpoint at `base_url` with `model` and the token in $OPENAI_API_KEY, and every call is trained on.
 Errors are JSON `{"error": message}`: 400 (not JSON, a field missing or of the wrong type, a task
 the environment refuses), 404 (no such episode, or no such path), 405, 413 (a body over
 `MAX_BODY_BYTES`). At most `max_episodes` episodes are open; opening one more closes the oldest.
@@ -58,6 +63,17 @@ class Environment(Protocol):
     ) -> tuple[Episode, str, dict[str, Any]]: ...
 
 
+class AgentEnvironment(Protocol):
+    """An environment of mode agent: `run_episode` runs one whole episode with its own agent (any
+    OpenAI client on `base_url`, `model`, the key in $OPENAI_API_KEY) and returns (reward, info)."""
+
+    name: str
+
+    def run_episode(
+        self, episode_id: str, seed: int, task: str | Mapping[str, Any] | None, base_url: str, model: str
+    ) -> tuple[float, dict[str, Any]]: ...
+
+
 class ProtocolError(Exception):
     """A request that breaks the protocol: its HTTP status and message."""
 
@@ -70,7 +86,9 @@ class ProtocolError(Exception):
 class EnvironmentServer:
     """The episodes of one environment, safe to use from the server's threads."""
 
-    def __init__(self, env: Environment, *, max_episodes: int = DEFAULT_MAX_EPISODES) -> None:
+    def __init__(
+        self, env: Environment | AgentEnvironment, *, max_episodes: int = DEFAULT_MAX_EPISODES
+    ) -> None:
         self.env = env
         self.max_episodes = max_episodes
         self._episodes: collections.OrderedDict[str, Episode] = collections.OrderedDict()
@@ -81,7 +99,35 @@ class EnvironmentServer:
         with self._lock:
             return len(self._episodes)
 
+    @property
+    def agent_mode(self) -> bool:
+        return callable(getattr(self.env, "run_episode", None))
+
+    def episode(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One whole episode of an environment of mode agent (its agent calls the job's endpoint)."""
+        run = getattr(self.env, "run_episode", None)
+        if run is None:
+            raise ProtocolError(404, "episode: this environment is reset and stepped (mode steps)")
+        seed, task = body.get("seed"), body.get("task")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ProtocolError(400, "episode: seed must be an integer")
+        if task is not None and not isinstance(task, (dict, str)):
+            raise ProtocolError(400, "episode: task must be a string or a JSON object when given")
+        fields = {k: body.get(k) for k in ("episode_id", "base_url", "model")}
+        for key, value in fields.items():
+            if not isinstance(value, str) or not value:
+                raise ProtocolError(400, f"episode: {key} must be a non-empty string")
+        try:
+            reward, info = run(fields["episode_id"], seed, task, fields["base_url"], fields["model"])
+        except TaskError as exc:
+            raise ProtocolError(400, f"episode: {exc}") from exc
+        return {"reward": float(reward), "info": info}
+
     def reset(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if self.agent_mode:
+            raise ProtocolError(
+                404, "reset: this environment runs whole episodes (mode agent): POST /episode"
+            )
         seed = body.get("seed")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ProtocolError(400, "reset: seed must be an integer")
@@ -128,6 +174,7 @@ def _handler(server: EnvironmentServer) -> type[BaseHTTPRequestHandler]:
         "/reset": server.reset,
         "/step": server.step,
         "/close": server.close,
+        "/episode": server.episode,
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -153,7 +200,10 @@ def _handler(server: EnvironmentServer) -> type[BaseHTTPRequestHandler]:
             elif self.path in routes:
                 self._send(405, {"error": f"{self.path} takes POST"})
             else:
-                self._send(404, {"error": f"no path {self.path}: POST /reset, /step, /close; GET /healthz"})
+                self._send(
+                    404,
+                    {"error": f"no path {self.path}: POST /reset, /step, /close (or /episode); GET /healthz"},
+                )
 
         def do_POST(self) -> None:
             route = routes.get(self.path)
@@ -164,7 +214,10 @@ def _handler(server: EnvironmentServer) -> type[BaseHTTPRequestHandler]:
                 return
             raw = self.rfile.read(length) if length else b""
             if route is None:
-                self._send(404, {"error": f"no path {self.path}: POST /reset, /step, /close; GET /healthz"})
+                self._send(
+                    404,
+                    {"error": f"no path {self.path}: POST /reset, /step, /close (or /episode); GET /healthz"},
+                )
                 return
             try:
                 body = json.loads(raw or b"{}")
@@ -182,14 +235,16 @@ def _handler(server: EnvironmentServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def make_server(env: Environment, port: int, host: str = "0.0.0.0", **kwargs: Any) -> ThreadingHTTPServer:
+def make_server(
+    env: Environment | AgentEnvironment, port: int, host: str = "0.0.0.0", **kwargs: Any
+) -> ThreadingHTTPServer:
     """A bound, not yet serving, HTTP server for `env` (port 0: any free port)."""
     httpd = ThreadingHTTPServer((host, port), _handler(EnvironmentServer(env, **kwargs)))
     httpd.daemon_threads = True
     return httpd
 
 
-def main(env: Environment, argv: list[str] | None = None) -> int:
+def main(env: Environment | AgentEnvironment, argv: list[str] | None = None) -> int:
     """`python -m rljob_env.<name> [--port N] [--host H]`: serve `env` until SIGTERM or SIGINT."""
     parser = argparse.ArgumentParser(prog=f"python -m rljob_env.{env.name}", description=main.__doc__)
     parser.add_argument(

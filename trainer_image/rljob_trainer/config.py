@@ -35,6 +35,11 @@ ENV_TELEMETRY_CONFIGMAP = "RLJOB_TELEMETRY_CONFIGMAP"
 # same from the container's limits): the count and the Ray resource name (GPU, NPU or empty).
 ENV_NUM_ACCELERATORS = "RLJOB_NUM_ACCELERATORS"
 ENV_RAY_ACCELERATOR = "RLJOB_RAY_ACCELERATOR"
+# The bearer token of the job's OpenAI-compatible endpoint (trainer pod 0, from the job's Secret
+# `<job>-endpoint-<uid[:8]>`): the driver requires it on every call (`rljob_trainer.rollout.endpoint`).
+ENV_ENDPOINT_TOKEN = "RLJOB_ENDPOINT_TOKEN"
+# The endpoint's port on trainer pod 0 (its container port `endpoint`).
+ENDPOINT_PORT = 8000
 
 ALL_ENV_VARS: tuple[str, ...] = (
     ENV_CONFIG_PATH,
@@ -697,6 +702,30 @@ class EnvironmentSettings(_Model):
         description="What every reset asks of the environment (its `task`: a name or an object the "
         "environment reads); None: no task, the environment's default. Each GRPO group shares a reset seed.",
     )
+    mode: Literal["steps", "agent"] = Field(
+        "steps",
+        description="steps: the trainer's agent loop resets and steps it (docs/contracts.md §4); agent: "
+        "the server runs a whole episode itself (POST /episode), its own agent calling the job's "
+        "OpenAI-compatible endpoint (`endpoint`), and `timeout_s` bounds the whole episode.",
+    )
+
+
+class EndpointSettings(_Model):
+    """The job's OpenAI-compatible endpoint (`rljob_trainer.rollout.endpoint`), served by the driver on
+    trainer pod 0 in front of its rollout engines, for environments of mode agent. Its bearer token is
+    in the driver's environment (`ENV_ENDPOINT_TOKEN`, from the job's Secret), never in this file."""
+
+    port: int = Field(ENDPOINT_PORT, ge=0, le=65535, description="The port it listens on (0: any free one).")
+    host: str = Field("0.0.0.0", description="The address it listens on.")
+    url: str = Field(
+        ...,
+        description="Its base URL as the environment pods reach it (no /v1): "
+        "http://<job>-trainer-0.<job>.<ns>.svc:<port>; an episode's agent is given "
+        "<url>/episodes/<episode id>/v1.",
+    )
+    model_name: str | None = Field(
+        None, description="The model name it serves (GET /v1/models); default model.name."
+    )
 
 
 class JudgeSettings(_Model):
@@ -752,6 +781,9 @@ class TrainerConfig(_Model):
     agent: AgentSettings | None = Field(None, description="Multi-turn, tool-using episodes; None: one turn.")
     environments: list[EnvironmentSettings] = Field(default_factory=list)
     judge: JudgeSettings | None = Field(None, description="Rewards from a served judge model.")
+    endpoint: EndpointSettings | None = Field(
+        None, description="The job's OpenAI-compatible endpoint (environments of mode agent); None: none."
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainerConfig:
@@ -785,6 +817,7 @@ class TrainerConfig(_Model):
                 raise ValueError(
                     f"agent.environment {self.agent.environment!r} is not one of environments {names}"
                 )
+            self._agent_environment()
         samples = self.grpo.group_size * self.grpo.prompts_per_step
         if samples % self.grpo.mini_batches_per_step:
             raise ValueError(
@@ -792,6 +825,24 @@ class TrainerConfig(_Model):
                 f"grpo.miniBatchesPerStep ({self.grpo.mini_batches_per_step})"
             )
         return self
+
+    def _agent_environment(self) -> None:
+        """An environment of mode agent runs its own agent against the job's endpoint: the endpoint must
+        be served, and tools of the trainer's loop would never be offered (the agent brings its own)."""
+        assert self.agent is not None
+        env = next(e for e in self.environments if e.name == self.agent.environment)
+        if env.mode != "agent":
+            return
+        if self.endpoint is None:
+            raise ValueError(
+                f"environments[{env.name}] has mode agent: its agent calls the job's OpenAI-compatible "
+                "endpoint, so `endpoint` must be set (the operator sets it for such an environment)"
+            )
+        if self.agent.tools:
+            raise ValueError(
+                f"agent.tools: environment {env.name} runs its own agent (mode agent), which offers its "
+                "own tools through the endpoint; remove agent.tools"
+            )
 
     def _reasoning_gym_rewards(self) -> None:
         """reasoning-gym data is scored by its task (reward reasoningGym), and only it can score it; a

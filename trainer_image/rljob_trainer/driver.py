@@ -15,7 +15,9 @@ Role: on trainer pod 0 (inside the Ray head), or in one process in local mode, t
      interval into a `telemetry.SyncReport`, publishes it (logs, Prometheus, ConfigMap), reads the
      desired engine counts back and wakes/sleeps shared engines and adds/drops dedicated ones (the
      engines are the driver's: the pipeline asks it to drop one that died or hung);
-  4. checkpoints every `checkpoint.interval_steps` and resumes from the latest checkpoint.
+  4. checkpoints every `checkpoint.interval_steps` and resumes from the latest checkpoint;
+  5. with config `endpoint` (an environment of mode agent), serves the job's OpenAI-compatible
+     endpoint (`rollout.endpoint`) from `setup` to `shutdown`, its token from `$RLJOB_ENDPOINT_TOKEN`.
 Callers: `rljob_trainer.__main__`, integration tests.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +39,16 @@ from rljob_trainer.data import evaluation, judge, rewards, sources
 from rljob_trainer.engines import base as engine_base
 from rljob_trainer.model import modeling
 from rljob_trainer.outputs import checkpoint, export, telemetry, telemetry_sink, tracking
-from rljob_trainer.rollout import agent, agent_loop, buffer, dispatcher, engine_sync, pipeline
+from rljob_trainer.rollout import (
+    agent,
+    agent_loop,
+    buffer,
+    dispatcher,
+    endpoint_episode,
+    engine_sync,
+    pipeline,
+)
+from rljob_trainer.rollout import endpoint as endpoint_mod
 from rljob_trainer.train import algos, dynamic_sampling, train_metrics, trainer
 from rljob_trainer.weights import weight_sync
 
@@ -116,7 +128,10 @@ class GRPODriver:
         metrics_path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        endpoint_token: str | None = None,
     ) -> None:
+        """`endpoint_token`: the endpoint's bearer token (default `$RLJOB_ENDPOINT_TOKEN`, which the
+        operator sets on trainer pod 0 from the job's Secret); only read with config `endpoint`."""
         self.cfg = cfg
         self.rt = runtime
         self.sink = sink
@@ -149,6 +164,23 @@ class GRPODriver:
         self._weights: tuple[tuple[int, str], Any] | None = None
         self._checkpoint_acked: str | None = None  # the operator's last checkpoint request honoured
         self._resume_note: str | None = None  # checkpoints skipped at resume (checkpoint.load_latest)
+        # An environment of mode agent: the job's OpenAI-compatible endpoint (started in setup).
+        self.endpoint: endpoint_mod.Endpoint | None = None
+        if cfg.endpoint is not None:
+            token = (
+                endpoint_token
+                if endpoint_token is not None
+                else os.environ.get(config_mod.ENV_ENDPOINT_TOKEN)
+            )
+            self.endpoint = endpoint_mod.Endpoint(
+                cfg.endpoint,
+                token or "",
+                modeling.load_tokenizer(cfg.model),  # its own: the endpoint's HTTP threads use it
+                model_name=cfg.endpoint.model_name or cfg.model.name,
+                limits=endpoint_mod.Limits.from_config(cfg),
+                clock=clock,
+                wall_clock=wall_clock,
+            )
         self.pipeline = pipeline.RolloutPipeline(
             cfg,
             runtime,
@@ -159,6 +191,7 @@ class GRPODriver:
             encode_prompt=self._encode_prompt if self.agent_loop is None else self.agent_loop.prompt_ids,
             clock=clock,
             agent_loop=self.agent_loop,
+            endpoint=self.endpoint,
         )
         self._lost_pods: set[int] = set()  # dropped since the last report (SyncReport.lostRolloutPods)
         # What each engine's platform said it can do (`engines.platform.EngineCapabilities`, from load()).
@@ -197,6 +230,8 @@ class GRPODriver:
         self.placement = self.check_placement()
         if self.judge is not None:
             self.judge.start()
+        if self.endpoint is not None:  # no episode opens before the first step's fill()
+            self.endpoint.start()
         self._sync_awake_engines()
         self.sleep_shared_engines()
         self._last_sync = self.clock()
@@ -691,14 +726,26 @@ class GRPODriver:
             norm_by_std=g.norm_adv_by_std,
         ).tolist()
         eos = self.tokenizer.eos_token_id
-        samples = [trainer.sample_from_output(o, a, eos_id=eos) for o, a in zip(outs, adv, strict=True)]
+        # An endpoint episode may be several samples (`endpoint_episode`): each trains with its
+        # episode's advantage, and a mini-batch holds whole episodes (split by episode, then expanded).
+        samples: list[trainer.TrainSample] = []
+        episode_mbs: list[list[int]] = []
+        for mb in split_mini_batches(len(outs), g.mini_batches_per_step):
+            parts_out, parts_adv = endpoint_episode.training_outputs(
+                [outs[i] for i in mb], [adv[i] for i in mb]
+            )
+            episode_mbs.append(list(range(len(samples), len(samples) + len(parts_out))))
+            samples += [
+                trainer.sample_from_output(o, a, eos_id=eos)
+                for o, a in zip(parts_out, parts_adv, strict=True)
+            ]
         versions = [s.weights_version for s in samples]
         staleness = [buffer.staleness(step - 1, v) for v in versions]
 
         world = len(self.ranks)
         per_rank: list[list[trainer.RankMiniBatch]] = [[] for _ in range(world)]
         balance_metrics: dict[str, Any] = {}
-        for mb in split_mini_batches(len(samples), g.mini_batches_per_step):
+        for mb in episode_mbs:
             lengths = [samples[i].length for i in mb]
             shards, m = shard_for_ranks(
                 lengths, world, spec=self.spec, cost=self.cost, enabled=cfg.batching.dp_balance
@@ -740,7 +787,7 @@ class GRPODriver:
             "rollout/regenerated_stale": self.pipeline.regenerated,
             **ds_metrics,
             "data/dropped_prompts": self.dropped_prompts,
-            **pipeline.rollout_step_metrics(outs, step - 1),
+            **pipeline.rollout_step_metrics(endpoint_episode.training_outputs(outs, adv)[0], step - 1),
             **agent.agent_step_metrics(outs, env_failures=self.pipeline.take_env_failures()),
             **self._take_judge_metrics(),
             "trainer_wait_s": self.pipeline.trainer_wait_s,
@@ -897,6 +944,8 @@ class GRPODriver:
                 self.sink.write_history(self.state.history)
 
     def shutdown(self) -> None:
+        if self.endpoint is not None:  # its waiting calls fail at once (their episodes are over)
+            self.endpoint.stop()
         self.tracker.close()
         if self.agent_loop is not None:
             self.agent_loop.close()

@@ -258,7 +258,19 @@ class EnvironmentSpec(_Spec):
         "Service sends requests only to ready pods.",
     )
     timeout_seconds: float = Field(
-        30.0, gt=0.0, le=3600.0, description="One reset or step running longer fails the episode."
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="One reset or step running longer fails the episode (mode agent: one whole episode, "
+        "and one call to the endpoint waiting for the engines).",
+    )
+    mode: Literal["steps", "agent"] = Field(
+        "steps",
+        description="steps: the trainer's agent loop resets and steps the server (docs/contracts.md §4). "
+        "agent: the server runs each whole episode itself (POST /episode) with its own agent, which calls "
+        "the job's OpenAI-compatible endpoint at the base URL the episode names, with the job's token in "
+        "$OPENAI_API_KEY; the operator then serves that endpoint on trainer pod 0 (port endpoint, 8000), "
+        "lets these pods reach it, and every call is trained on (docs/agents.md).",
     )
     task: str | None = Field(
         None,

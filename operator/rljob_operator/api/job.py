@@ -361,6 +361,24 @@ class RLJobSpec(_Spec):
             ),
         ),
         CelRule(
+            rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
+            "!has(self.rollout.agent.tools) || size(self.rollout.agent.tools) == 0 || "
+            "!self.environments.exists(e, e.name == self.rollout.agent.environment && has(e.mode) && "
+            "e.mode == 'agent')",
+            message="spec.rollout.agent.tools: the environment spec.rollout.agent.environment names has mode "
+            "agent: it runs its own agent, which offers its own tools through the job's endpoint; remove "
+            "spec.rollout.agent.tools, or set the environment's mode to steps",
+            field_path=".rollout.agent.tools",
+            check=lambda s: (
+                s.rollout.agent is None
+                or s.rollout.agent.environment is None
+                or not s.rollout.agent.tools
+                or not any(
+                    e.name == s.rollout.agent.environment and e.mode == "agent" for e in s.environments
+                )
+            ),
+        ),
+        CelRule(
             rule="!has(self.rollout.agent) || !has(self.rollout.agent.maxTotalTokens) || "
             "self.rollout.agent.maxTotalTokens <= self.lengths.maxCompletionTokens",
             message="spec.rollout.agent.maxTotalTokens must be at most spec.lengths.maxCompletionTokens: an "

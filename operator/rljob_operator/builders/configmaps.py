@@ -14,6 +14,7 @@ from typing import Any
 import pydantic
 
 from rljob_operator import api, errors, names, quantity
+from rljob_operator.builders import endpoint
 from rljob_operator.builders.common import JobRef, compute_layout
 from rljob_trainer import config as tc
 from rljob_trainer.outputs import telemetry
@@ -295,6 +296,7 @@ def _environment_settings(job: JobRef | None, spec: api.RLJobSpec) -> list[dict[
             ],
             "timeout_s": e.timeout_seconds,
             "task": dict(e.task_config) if e.task_config is not None else e.task,
+            "mode": e.mode,
         }
         for e in spec.environments
     ]
@@ -450,6 +452,7 @@ def render_trainer_config(
         "evaluation": _evaluation_settings(spec),
         "agent": _agent_settings(spec),
         "environments": _environment_settings(job, spec),
+        "endpoint": endpoint.trainer_settings(job, spec),
         "judge": _judge_settings(spec, plan, judge_config),
         "telemetry": {"enabled": True},
         "distributed": {

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator import api, names
+from rljob_operator.builders import endpoint
 from rljob_operator.builders.common import JobRef, content_hash, deep_copy
 
 RUN_AS_USER = 1000
@@ -60,6 +61,8 @@ def _env(job: JobRef, env: api.EnvironmentSpec) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": f"{TMP_MOUNT}/.cache"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
     ]
+    if env.mode == "agent":  # its agent calls the job's endpoint with the job's token
+        out += endpoint.environment_env_vars(job)
     taken = {e["name"] for e in out}
     for var in env.env:
         if var.name in taken:  # the operator's contract wins (the port above is what the probe uses)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from rljob_operator import names
@@ -74,8 +75,11 @@ def parse_settings(text: str | None) -> Settings:
     )
 
 
-def build_network_policy(job: JobRef, settings: Settings) -> dict[str, Any]:
-    """The NetworkPolicy `<job>` fencing the job's pods (see the module docstring)."""
+def build_network_policy(
+    job: JobRef, settings: Settings, *, extra_ingress: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """The NetworkPolicy `<job>` fencing the job's pods (see the module docstring); `extra_ingress`:
+    more rules it admits (the job's endpoint: `endpoint.job_ingress_rule`)."""
 
     def pods() -> dict[str, Any]:  # a fresh dict each time: no shared objects (YAML aliases) in output
         return {"matchLabels": names.job_pod_selector(job.name)}
@@ -100,6 +104,7 @@ def build_network_policy(job: JobRef, settings: Settings) -> dict[str, Any]:
                 "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}],
             }
         )
+    ingress += deep_copy(list(extra_ingress))
     spec: dict[str, Any] = {"podSelector": ranks(), "policyTypes": ["Ingress"], "ingress": ingress}
     if settings.egress is not None:
         dns = {

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator import api, names
-from rljob_operator.builders import configmaps, ray_auth, scratch
+from rljob_operator.builders import configmaps, endpoint, ray_auth, scratch
 from rljob_operator.builders.common import JobLayout, JobRef, content_hash, deep_copy, resource_name
 from rljob_trainer import config as tc
 from rljob_trainer.outputs import termination
@@ -218,6 +218,9 @@ def _build_pod(
         # (Ray's dashboard listens on 127.0.0.1 only: `kubectl port-forward` reaches it, no pod does.)
         # The driver's Prometheus endpoint (telemetry.prometheusPort): what the chart's PodMonitor scrapes.
         ports.append({"name": METRICS_PORT_NAME, "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"})
+        if endpoint.enabled(spec):  # the driver serves the job's OpenAI-compatible endpoint here
+            ports.append(endpoint.container_port())
+            env += endpoint.trainer_env_vars(job)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts the whole job from its checkpoint
         "hostname": name,

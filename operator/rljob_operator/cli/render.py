@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rljob_operator import api, builders
-from rljob_operator.builders import podgroup, ray_auth
+from rljob_operator.builders import endpoint, podgroup, ray_auth
 from rljob_operator.decide import planning
 
 Only = Literal["all", "trainer-config", "pods", "rbac"]
@@ -61,7 +61,14 @@ def render_job(
         cfg = builders.render_trainer_config(spec, plan, model_config, job=job, judge_config=judge_config)
         return [cfg.model_dump(mode="json", by_alias=True)]
     objects = builders.build_job_objects(
-        job, spec, plan, layout, model_config, ray_token=ray_auth.RENDERED_TOKEN, judge_config=judge_config
+        job,
+        spec,
+        plan,
+        layout,
+        model_config,
+        ray_token=ray_auth.RENDERED_TOKEN,
+        judge_config=judge_config,
+        endpoint_token=endpoint.RENDERED_TOKEN,
     )
     pods = [*objects.pods, *objects.environment_pods]
     groups: list[dict[str, Any]] = []

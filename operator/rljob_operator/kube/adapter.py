@@ -215,7 +215,7 @@ class Kube:
         kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
         if kind == "Secret":
             # Never read (no `get` on Secrets is granted): its name holds the RLJob's uid
-            # (`names.ray_auth_secret_name`), so a name taken is this job's own.
+            # (`names.ray_auth_secret_name`, `names.endpoint_secret_name`), so a name taken is this job's own.
             return None
         want = names.controller_uid(meta)
         try:

@@ -350,6 +350,7 @@ async def _step_children(ctx: Ctx, seen: status.Observed) -> tuple[status.Observ
         # keeps the token its running pods have). Never logged, never in the status.
         ray_token=secrets.token_hex(32),
         network=NETWORK_POLICY,
+        endpoint_token=secrets.token_hex(32),  # the same for the endpoint's Secret (mode agent)
         judge_config=ctx.judge_config,
     )
     ctx.config_hash = objects.config_hash

@@ -72,6 +72,11 @@ class AgentLoop:
     def environment(self) -> bool:
         return self.env is not None
 
+    @property
+    def agent_mode(self) -> bool:
+        """The environment runs whole episodes with its own agent, which calls the job's endpoint."""
+        return self.env is not None and self.env.settings.mode == "agent"
+
     def fitting_examples(
         self, examples: list[sources.Example], source: str
     ) -> tuple[list[sources.Example], list[int]]:
@@ -176,6 +181,17 @@ class AgentLoop:
             raise ValueError("no environment episode to step")
         return self._pool.submit(
             self._timed, self.env.step, episode.env_replica, episode.env_episode_id, action
+        )
+
+    def submit_episode(
+        self, episode_id: str, seed: int, base_url: str, model: str
+    ) -> concurrent.futures.Future[Any]:
+        """A whole episode run by an environment of mode agent (`POST /episode`), with the environment's
+        task and the group's seed; its agent calls the endpoint at `base_url` meanwhile."""
+        if self.env is None:
+            raise ValueError("no environment to run an episode")
+        return self._pool.submit(
+            self._timed, self.env.run_episode, episode_id, seed, self.env.settings.task, base_url, model
         )
 
     def close_episode(self, episode: agent.Episode) -> None:

@@ -7,6 +7,10 @@ behind a Service inside the job's NetworkPolicy):
                                                        "done": bool, "info": {}}
   POST /close {"episode_id": str}                  -> {"closed": bool}
   GET  /healthz                                     -> 200 once it serves
+An environment of mode agent runs whole episodes instead, its own agent calling the job's
+OpenAI-compatible endpoint at `base_url` (`rollout.endpoint`):
+  POST /episode {"episode_id": str, "seed": int, "task": str|object?, "base_url": str, "model": str}
+                                                    -> {"reward": float, "info": {}}
 `reset` gives the episode's first observation (its prompt), each model turn's text is a `step`'s
 action; an episode that ends before `done` (the turn limit, the token budget) is closed. An episode
 lives in the replica that reset it: with `replicaUrls` each reset goes to the next replica in turn
@@ -100,6 +104,25 @@ def parse_step(data: Any, where: str) -> Step:
     return Step(data.get("observation", ""), float(reward), done, _info(data, where))
 
 
+@dataclass(frozen=True)
+class EpisodeResult:
+    """What an environment of mode agent answers once its episode is over."""
+
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+    replica: str = ""
+
+
+def parse_episode(data: Any, where: str) -> EpisodeResult:
+    """A /episode answer, checked (pure): a finite number `reward`."""
+    if not isinstance(data, dict):
+        raise EnvironmentBadAnswer(f"{where}: the answer must be a JSON object")
+    reward = data.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvironmentBadAnswer(f"{where}: reward must be a finite number, got {reward!r}")
+    return EpisodeResult(float(reward), _info(data, where))
+
+
 def _info(data: dict[str, Any], where: str) -> dict[str, Any]:
     info = data.get("info", {})
     if not isinstance(info, dict):
@@ -170,6 +193,35 @@ class EnvironmentClient:
                 continue
             reset = parse_reset(data, f"environment {self.settings.name} reset")
             return Reset(reset.episode_id, reset.observation, reset.info, base)
+        assert error is not None
+        raise error
+
+    def run_episode(
+        self, episode_id: str, seed: int, task: str | dict[str, Any] | None, base_url: str, model: str
+    ) -> EpisodeResult:
+        """A whole episode on the next replica (mode agent): it answers once its agent is done, within
+        `timeoutS`. A replica that is unreachable is passed over (each at most once); one that does not
+        answer in time fails the episode (its agent may have called the endpoint already)."""
+        body: dict[str, Any] = {
+            "episode_id": episode_id,
+            "seed": int(seed),
+            "base_url": base_url,
+            "model": model,
+        }
+        if task is not None:
+            body["task"] = task
+        with self._lock:
+            first = next(self._next)
+        error: EnvironmentCallError | None = None
+        for k in range(len(self.replicas)):
+            base = self.replicas[(first + k) % len(self.replicas)]
+            try:
+                data = self._call("POST", "/episode", body, base=base)
+            except EnvironmentUnreachable as e:
+                error = e
+                continue
+            result = parse_episode(data, f"environment {self.settings.name} episode")
+            return EpisodeResult(result.reward, result.info, base)
         assert error is not None
         raise error
 

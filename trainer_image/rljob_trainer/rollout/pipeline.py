@@ -35,6 +35,13 @@ run on the loop's worker threads (`side` futures) while `pump` goes on dispatchi
 collecting training: tool and environment time overlaps training as generation does. An
 interrupted turn (partial rollouts) resumes as any request does; a turn lost with its engine is
 generated again from the episode's tokens. A job is complete once every episode is finished.
+
+Episodes of an environment of mode agent (`rollout.endpoint`): the episode is one call to the
+environment (`POST /episode`, on the loop's threads), whose own agent calls the job's
+OpenAI-compatible endpoint meanwhile; `pump` drains those calls (`Endpoint.drain`) into the
+dispatcher, each choice one request pinned to the episode's engine, with the episode's sampling and
+seeds, resumed like any request after an interrupt, and answers them; when the environment answers,
+the episode's recorded calls become its samples (`endpoint_episode.episode_output`).
 Callers: `rljob_trainer.driver.GRPODriver`.
 """
 
@@ -51,7 +58,15 @@ from typing import Any, Protocol
 from rljob_trainer import config as config_mod
 from rljob_trainer.data import sources
 from rljob_trainer.engines import base
-from rljob_trainer.rollout import agent, agent_loop, buffer, dispatcher, environment_client
+from rljob_trainer.rollout import (
+    agent,
+    agent_loop,
+    buffer,
+    dispatcher,
+    endpoint_episode,
+    environment_client,
+)
+from rljob_trainer.rollout import endpoint as endpoint_mod
 
 log = logging.getLogger("rljob_trainer.driver")
 
@@ -124,11 +139,12 @@ class SideCall:
     """A multi-turn episode's call off the engines in flight: its tool calls, or an environment's
     reset or step, on the agent loop's threads."""
 
-    kind: str  # "tools", "reset" or "step"
+    kind: str  # "tools", "reset", "step" or "episode" (an environment of mode agent runs it whole)
     key: int
     index: int
     submitted: float
     turn_cut: bool = False  # step: the turn stopped at the episode's budget
+    episode_id: str | None = None  # episode: the endpoint episode it runs
 
 
 # Job keys of evaluation runs (below any dynamic-sampling key, -(step * 1000 + round)).
@@ -174,6 +190,7 @@ class RolloutPipeline:
         encode_prompt: Callable[[str], list[int]],
         clock: Callable[[], float],
         agent_loop: agent_loop.AgentLoop | None = None,
+        endpoint: endpoint_mod.Endpoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.rt = runtime
@@ -187,6 +204,13 @@ class RolloutPipeline:
         self.calls: dict[Any, Call] = {}
         self.agent = agent_loop
         self.side: dict[concurrent.futures.Future[Any], SideCall] = {}
+        # Environments of mode agent: each open episode, each endpoint request's call and choice, the
+        # outputs of a call so far, an interrupted request's tokens so far.
+        self.endpoint = endpoint
+        self._endpoint_eps: dict[tuple[int, int], endpoint_mod.EndpointEpisode] = {}
+        self._call_of: dict[int, tuple[endpoint_mod.PendingCall, int]] = {}
+        self._call_results: dict[endpoint_mod.PendingCall, list[base.GenerationOutput | None]] = {}
+        self._call_partial: dict[int, base.GenerationOutput] = {}
         self.env_failures = 0  # episodes failed by their environment since the last step's metrics
         self._eval_runs = 0
         self._request_of: dict[int, tuple[int, int]] = {}
@@ -276,6 +300,9 @@ class RolloutPipeline:
         """Episode i of a job from its start: its environment's reset, or its first turn queued."""
         loop = self.agent
         assert loop is not None and job.episodes is not None
+        if loop.agent_mode:
+            self._start_endpoint_episode(job, key, i)
+            return
         if loop.environment:
             job.episodes[i] = None
             seed, _ = job.tasks[job.group_ids[i]]
@@ -283,6 +310,116 @@ class RolloutPipeline:
             return
         ep = job.episodes[i] = loop.new_episode(job.prompts[i])
         self._queue_turn(key, i, ep)
+
+    # ---- episodes of an environment of mode agent (the job's endpoint) ----------------------------
+    def _start_endpoint_episode(self, job: GenJob, key: int, i: int) -> None:
+        """Episode i as one `POST /episode` to the environment, its agent calling the endpoint with the
+        episode's base URL; an earlier run of the same episode (too stale) is closed first."""
+        loop, endpoint = self.agent, self.endpoint
+        if loop is None or endpoint is None:
+            raise RuntimeError(
+                "an environment of mode agent needs the job's endpoint (trainer config `endpoint`)"
+            )
+        old = self._endpoint_eps.pop((key, i), None)
+        if old is not None:
+            self._close_endpoint_episode(old)
+        assert job.episodes is not None
+        job.episodes[i] = None
+        seed, _ = job.tasks[job.group_ids[i]]
+        g = self.cfg.grpo
+        ep = endpoint.open_episode(key, i, sampling=job.sampling or (g.temperature, g.top_p))
+        ep.started_s = self.clock()
+        self._endpoint_eps[(key, i)] = ep
+        fut = loop.submit_episode(ep.id, seed, endpoint.episode_url(ep), endpoint.model_name)
+        self.side[fut] = SideCall("episode", key, i, ep.started_s, episode_id=ep.id)
+
+    def _close_endpoint_episode(self, ep: endpoint_mod.EndpointEpisode) -> None:
+        """Its later calls are refused and waiting ones fail; its queued requests leave the dispatcher
+        (one already generating is dropped when it comes back)."""
+        assert self.endpoint is not None
+        self.endpoint.close_episode(ep)
+        for rid, (call, _) in list(self._call_of.items()):
+            if call.episode is ep and self.dispatcher.is_queued(rid):
+                self.dispatcher.finish([rid])
+                del self._call_of[rid]
+                self._request_of.pop(rid, None)
+                self._call_partial.pop(rid, None)
+                self._call_results.pop(call, None)
+
+    def _drain_endpoint(self) -> None:
+        """The endpoint's waiting calls into the dispatcher: one request per choice, pinned to the engine
+        of the episode's last call (its prefix cache)."""
+        if self.endpoint is None:
+            return
+        for call in self.endpoint.drain():
+            ep = call.episode
+            if self._endpoint_eps.get((ep.key, ep.index)) is not ep:
+                if not call.future.done():
+                    call.future.set_exception(endpoint_mod.EpisodeClosed(f"episode {ep.id} is over"))
+                continue
+            self._call_results[call] = [None] * call.n
+            for j, rid in enumerate(self.dispatcher.submit(call.n, engine=ep.engine)):
+                self._request_of[rid] = (ep.key, ep.index)
+                self._call_of[rid] = (call, j)
+
+    def _collect_call(self, rid: int, out: base.GenerationOutput) -> bool:
+        """One endpoint request's output; False when it was interrupted and resumes (partial
+        rollouts). A call is answered once all its choices are in."""
+        call, j = self._call_of[rid]
+        merged = base.continue_output(self._call_partial.pop(rid, None), out)
+        if out.aborted and len(merged.token_ids) < call.max_tokens and call.episode.open:
+            if merged.token_ids:
+                self._call_partial[rid] = merged
+            return False
+        if out.aborted:  # interrupted exactly at its budget: it is complete
+            merged = dataclasses.replace(merged, finish_reason="length")
+        del self._call_of[rid]
+        del self._request_of[rid]
+        results = self._call_results.get(call)
+        if results is None or not call.episode.open:
+            self._call_results.pop(call, None)
+            return True  # its episode is over: nobody waits for it
+        results[j] = merged
+        call.episode.engine = merged.meta.get("engine") or call.episode.engine
+        if all(r is not None for r in results):
+            del self._call_results[call]
+            if not call.future.done():
+                call.future.set_result([r for r in results if r is not None])
+        return True
+
+    def _endpoint_episode_done(self, call: SideCall, fut: concurrent.futures.Future[Any]) -> None:
+        """The environment answered `POST /episode` (or failed): the episode's recorded calls become its
+        samples with its reward; an episode that failed, or whose agent made no call, trains nothing."""
+        ep = self._endpoint_eps.get((call.key, call.index))
+        if ep is None or ep.id != call.episode_id:
+            return  # it started over meanwhile (too stale)
+        del self._endpoint_eps[(call.key, call.index)]
+        self._close_endpoint_episode(ep)
+        job, loop = self.jobs[call.key], self.agent
+        assert loop is not None
+        result, _ = fut.result()
+        now = self.clock()
+        turns = [] if isinstance(result, environment_client.EnvironmentCallError) else ep.turns()
+        meta = {"episode_id": ep.id}
+        if isinstance(result, environment_client.EnvironmentCallError) or not turns:
+            failure = (
+                f"{result.reason}: {result}"
+                if isinstance(result, environment_client.EnvironmentCallError)
+                else "no_calls: the environment's agent made no call to the endpoint"
+            )
+            log.warning("step %s: episode %d failed: %s", call.key, call.index, failure)
+            self.env_failures += 1
+            eos = next(iter(sorted(loop.format.eos_ids)), 0)
+            out: base.GenerationOutput = endpoint_episode.failed_output(
+                eos, failure, started_s=call.submitted, finished_s=now, meta=meta
+            )
+        else:
+            out = endpoint_episode.episode_output(
+                turns, reward=result.reward, started_s=call.submitted, finished_s=now, meta=meta
+            )
+        job.outputs[call.index] = out
+        if job.complete:
+            job.finished = now
 
     def _episode(self, key: int, i: int) -> agent.Episode:
         episodes = self.jobs[key].episodes
@@ -330,6 +467,9 @@ class RolloutPipeline:
             return  # its job was dropped meanwhile
         loop = self.agent
         assert loop is not None
+        if call.kind == "episode":
+            self._endpoint_episode_done(call, fut)
+            return
         if call.kind == "tools":
             ep = self._episode(call.key, call.index)
             done = fut.result()
@@ -380,15 +520,21 @@ class RolloutPipeline:
         self._finish_episode(key, i)
 
     def _wait_side(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for a tool or environment call, and collect every one that finished."""
+        """Wait up to `timeout_s` for a tool or environment call (or a call to the endpoint), and collect
+        every one that finished."""
+        self._drain_endpoint()
         if not self.side:
             return
+        waiting: list[concurrent.futures.Future[Any]] = list(self.side)
+        if self.endpoint is not None:
+            waiting.append(self.endpoint.wake)
         done, _ = concurrent.futures.wait(
-            list(self.side), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+            waiting, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
         )
         for fut in done:
             if fut in self.side:
                 self._collect_side(fut)
+        self._drain_endpoint()
 
     def extra_job(self, step: int, prompts: int, round_index: int) -> GenJob:
         """Dynamic sampling's refill (`rljob_trainer.train.dynamic_sampling`): `prompts` more prompts from the
@@ -471,8 +617,16 @@ class RolloutPipeline:
         prefixes = [self.jobs[st].partial.get(i) for st, i in where]
         prompts, budgets, seeds = [], [], []
         now = self.clock()
-        for (st, i), prefix in zip(where, prefixes, strict=True):
+        for rid, (st, i), prefix in zip(ids, where, prefixes, strict=True):
             job = self.jobs[st]
+            if rid in self._call_of:  # a call to the endpoint: its prompt, its budget, a seed per choice
+                call, j = self._call_of[rid]
+                part = self._call_partial.get(rid)
+                have = part.token_ids if part is not None else ()
+                prompts.append([*call.prompt_ids, *have])
+                budgets.append(call.max_tokens - len(have))
+                seeds.append(resumed_seed(sample_seed(job.seeds[i], call.call, j), len(have)))
+                continue
             have = prefix.token_ids if prefix is not None else ()
             if job.episodes is None:
                 prompts.append([*job.prompts[i], *have])
@@ -518,6 +672,9 @@ class RolloutPipeline:
         finished, interrupted = [], []
         turns: list[tuple[int, int, base.GenerationOutput]] = []
         for rid, out in zip(call.ids, outs, strict=True):
+            if rid in self._call_of:
+                (finished if self._collect_call(rid, out) else interrupted).append(rid)
+                continue
             st, i = self._request_of[rid]
             job = self.jobs[st]
             merged = base.continue_output(job.partial.pop(i, None), out)
@@ -564,6 +721,7 @@ class RolloutPipeline:
         (the ranks' training) whose completion is a reason to re-check `done`."""
         timeout = self.cfg.rollout.engine_timeout_s
         while not done():
+            self._drain_endpoint()
             if admit and current is not None:
                 self._admit(current, only)
             if not self.calls and not also:

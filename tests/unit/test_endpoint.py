@@ -1,0 +1,324 @@
+"""The job's OpenAI-compatible endpoint (rollout.endpoint, endpoint_episode, the pipeline's agent mode)
+through real HTTP on loopback: an environment of mode agent (a stdlib server, `agent_http`) runs each
+episode with its own agent calling the endpoint as any OpenAI client does, while the pipeline serves
+those calls on the scripted engines. What the agent reads is OpenAI's wire format with the engine's
+log-probs; what the trainer trains on is each call's tokens and log-probs exactly as the engine
+generated them; an episode's calls stay on one engine; no token, no call."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from agent_http import AgentEnvironment, call, serve
+from agent_scripted import TOK, make_pipeline
+
+from rljob_trainer import config
+from rljob_trainer.model import modeling
+from rljob_trainer.rollout import endpoint, endpoint_episode, environment_client
+
+TOKEN = "s3cret-token"
+
+
+def say(prompt_text: str) -> str:
+    return "42" if "say 42" in prompt_text.lower() else "?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cfg(env_url: str, port: int, *, timeout_s: float = 10.0, max_turns: int = 4) -> config.TrainerConfig:
+    return config.parse_config(
+        {
+            "model": {
+                "name": "t",
+                "source": "tiny",
+                "hfConfig": modeling.tiny_hf_config(len(TOK)),
+                "tokenizer": "builtin-char",
+            },
+            "lengths": {"maxPromptTokens": 256, "maxResponseTokens": 200},
+            "grpo": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": 5, "maxStaleness": 1},
+            "rollout": {"kind": "transformers", "sharedEngines": 0, "dedicatedEngines": 2},
+            "data": {"builtin": "toy-arithmetic", "chatTemplate": True},
+            "agent": {"maxTurns": max_turns, "environment": "say"},
+            "environments": [{"name": "say", "url": env_url, "timeoutS": timeout_s, "mode": "agent"}],
+            "endpoint": {"url": f"http://127.0.0.1:{port}", "port": port, "host": "127.0.0.1"},
+        }
+    )
+
+
+def _endpoint(cfg: config.TrainerConfig, token: str = TOKEN) -> endpoint.Endpoint:
+    assert cfg.endpoint is not None
+    return endpoint.Endpoint(
+        cfg.endpoint, token, TOK, model_name="t", limits=endpoint.Limits.from_config(cfg)
+    )
+
+
+@pytest.fixture
+def running() -> Iterator[Any]:
+    """start(api, token) -> (pipeline, engines, agent environment, endpoint); all stopped afterwards."""
+    stop: list[Any] = []
+
+    def start(api: str = "chat", token: str | None = TOKEN, script: Any = None, **kw: Any) -> Any:
+        env = AgentEnvironment(token, api=api)
+        url, httpd = serve(env)
+        stop.append(httpd.shutdown)
+        cfg = _cfg(url, _free_port(), **kw)
+        ep = _endpoint(cfg)
+        ep.start()
+        stop.append(ep.stop)
+        pipe, engines, _, loop = make_pipeline(cfg, script or say, endpoint=ep)
+        stop.append(loop.close)
+        return pipe, engines, env, ep
+
+    yield start
+    for fn in reversed(stop):
+        fn()
+
+
+# ---- the wire, as an OpenAI client reads it --------------------------------------------------------
+def test_chat_completions_answer_in_openai_format_with_the_engines_logprobs(running) -> None:
+    pipe, _, env, _ = running("chat")
+    job = pipe.wait_for_batch(1)
+    assert len(env.answers) >= 4  # step 2 runs ahead (maxStaleness 1)
+    out = job.outputs[0]
+    answers = env.answers[out.meta["episode_id"]]
+    assert [s for s, _ in answers] == [200, 200]
+    body = answers[0][1]
+    assert body["object"] == "chat.completion" and body["model"] == "t"
+    assert body["id"].startswith("chatcmpl-") and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop"
+    assert choice["message"] == {"role": "assistant", "content": "42"}
+    # One entry per generated token (the EOS the engine stopped on included), the engine's log-prob.
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["4", "2", TOK.eos_token]
+    assert choice["token_ids"] == [*TOK.encode("42", add_special_tokens=False), TOK.eos_token_id]
+    prompt_ids = body["prompt_token_ids"]
+    (request,) = [r for r in env.requests if r["episode_id"] == out.meta["episode_id"]]
+    assert request["base_url"].endswith(f"/episodes/{request['episode_id']}/v1") and request["model"] == "t"
+    # The conversation through the model's chat template, as the trainer's own loop renders it.
+    assert TOK.decode(prompt_ids) == f"user: Say 42 (seed {request['seed']}).\nassistant: "
+    mark = round(-content[0]["logprob"])  # the scripted engine's log-probs name the engine
+    assert [c["logprob"] for c in content] == pytest.approx(
+        [-(mark + 0.001 * (len(prompt_ids) + k)) for k in range(3)]
+    )
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 3,
+        "total_tokens": len(prompt_ids) + 3,
+    }
+    assert out.env_reward == 1.0
+
+
+def test_completions_answer_in_openai_format_with_logprobs(running) -> None:
+    pipe, _, env, _ = running("completions")
+    job = pipe.wait_for_batch(1)
+    out = job.outputs[0]
+    (s1, first), (s2, _) = env.answers[out.meta["episode_id"]]
+    assert (s1, s2) == (200, 200)
+    assert first["object"] == "text_completion" and first["id"].startswith("cmpl-")
+    (choice,) = first["choices"]
+    assert choice["text"] == "42" and choice["finish_reason"] == "stop"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["4", "2", TOK.eos_token] and lp["text_offset"] == [0, 1, 2]
+    assert len(lp["token_logprobs"]) == 3 and all(x < 0 for x in lp["token_logprobs"])
+    assert out.env_reward == 1.0
+    # A completion that ended on EOS is not continued (its text does not hold it): two samples, each
+    # one call's tokens and log-probs as the engine gave them.
+    assert isinstance(out, endpoint_episode.EndpointEpisodeOutput) and len(out.segments) == 2
+    for seg in out.segments:
+        assert TOK.decode(seg.token_ids) == "42" + TOK.eos_token and seg.loss_mask == (1, 1, 1)
+    assert out.segments[0].logprobs == pytest.approx(tuple(lp["token_logprobs"]))
+    # What the driver trains: each segment a sample, with its episode's advantage.
+    other = job.outputs[1]
+    samples, advs = endpoint_episode.training_outputs([out, other], [0.5, -1.0])
+    assert samples == [*out.segments, *other.segments] and advs == [0.5, 0.5, -1.0, -1.0]
+
+
+def test_a_call_without_the_jobs_token_is_refused_401(running) -> None:
+    pipe, _, env, ep = running("chat", token="wrong")
+    job = pipe.wait_for_batch(1)
+    for out in job.outputs:
+        ((status, body),) = env.answers[out.meta["episode_id"]]
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        # The agent made no call the endpoint served: the episode failed, trains nothing.
+        assert out.finish_reason == "failed" and "no_calls" in out.failure
+        assert set(out.loss_mask) == {0}
+    base = f"http://127.0.0.1:{ep.port}"
+    assert call(f"{base}/v1/models", None, None)[0] == 401
+    assert call(f"{base}/v1/models", None, "nope")[0] == 401
+    status, models = call(f"{base}/v1/models", None, TOKEN)
+    assert status == 200 and models["data"][0]["id"] == "t"
+    assert call(f"{base}/healthz", None, None)[0] == 200  # the probe needs no token
+    # With the token, a call must name an open episode: the endpoint serves the job's episodes only.
+    status, body = call(
+        f"{base}/episodes/nope/v1/chat/completions",
+        {"model": "t", "messages": [{"role": "user", "content": "hi"}]},
+        TOKEN,
+    )
+    assert status == 404 and body["error"]["code"] == "episode_not_found"
+    status, body = call(
+        f"{base}/v1/chat/completions", {"model": "t", "messages": [{"role": "user", "content": "hi"}]}, TOKEN
+    )
+    assert status == 400 and body["error"]["code"] == "episode_required"
+
+
+def test_an_endpoint_without_its_token_does_not_start() -> None:
+    cfg = _cfg("http://127.0.0.1:9", 8000)
+    with pytest.raises(ValueError, match="RLJOB_ENDPOINT_TOKEN"):
+        _endpoint(cfg, token="")
+
+
+# ---- what the trainer trains on ---------------------------------------------------------------------
+def test_an_episodes_calls_are_its_sample_with_the_engines_tokens_and_logprobs(running) -> None:
+    pipe, (a, b), env, _ = running("chat")
+    pins: dict[tuple[str, int], str | None] = {}  # (episode, call) -> the engine its request waits for
+
+    class Recorded(dict):
+        def __setitem__(self, rid: int, value: Any) -> None:
+            call, _ = value
+            pins[(call.episode.id, call.call)] = pipe.dispatcher.pinned_to(rid)
+            super().__setitem__(rid, value)
+
+    pipe._call_of = Recorded()
+    pipe.pump(lambda: pipe.jobs[1].complete and pipe.jobs[2].complete, current=1)
+    outs = [*pipe.jobs[1].outputs, *pipe.jobs[2].outputs]
+    engine_of = {a.name: a.mark, b.name: b.mark}
+    for out in outs:
+        assert isinstance(out, endpoint_episode.EndpointEpisodeOutput) and out.failure is None
+        # The agent sent its conversation back as it was answered: one sample, as the trainer's loop.
+        assert len(out.segments) == 1 and out.turns == 2 and out.env_reward == 1.0
+        (status1, first), (status2, second) = env.answers[out.meta["episode_id"]]
+        assert (status1, status2) == (200, 200)
+        # The sample is the first call's prompt ids, its tokens, the next user turn rendered alone
+        # (masked), the second call's tokens: exactly the ids the endpoint returned, never re-encoded.
+        assert list(out.prompt_token_ids) == first["prompt_token_ids"]
+        t1, t2 = first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]
+        assert list(out.token_ids[: len(t1)]) == t1 and list(out.token_ids[-len(t2) :]) == t2
+        assert second["prompt_token_ids"] == [*out.prompt_token_ids, *out.token_ids[: -len(t2)]]
+        assert (
+            TOK.decode(out.token_ids)
+            == "42" + TOK.eos_token + "\nuser: Again: say 42.\nassistant: 42" + TOK.eos_token
+        )
+        assert out.loss_mask == (1,) * len(t1) + (0,) * (len(out.token_ids) - len(t1) - len(t2)) + (1,) * len(
+            t2
+        )
+        lps = [c["logprob"] for c in first["choices"][0]["logprobs"]["content"]]
+        lps2 = [c["logprob"] for c in second["choices"][0]["logprobs"]["content"]]
+        assert list(out.logprobs) == [*lps, *[0.0] * (len(out.token_ids) - len(t1) - len(t2)), *lps2]
+        # Both calls ran on one engine (pinned: its prefix cache holds the episode).
+        mark = round(-lps[0])
+        assert round(-lps2[0]) == mark and out.meta["engine"] in engine_of
+        assert engine_of[out.meta["engine"]] == mark
+        # The second call was queued pinned to the first call's engine (the first went anywhere).
+        episode = out.meta["episode_id"]
+        assert pins[(episode, 0)] is None and pins[(episode, 1)] == out.meta["engine"]
+        # What the driver trains on: the sample itself, with its episode's advantage.
+        samples, advs = endpoint_episode.training_outputs([out], [0.5])
+        assert samples == [out.segments[0]] and advs == [0.5]
+    # Each engine call of an episode asked for that episode's context: the second call's prompt on
+    # the engine is the first call's prompt + tokens + observation.
+    prompts = [tuple(p) for e in (a, b) for c in e.calls for p in c.prompts]
+    for out in outs:
+        assert tuple(out.prompt_token_ids) in prompts
+    assert len(prompts) == 2 * len(outs)  # two calls per episode, no request generated twice
+
+
+def test_an_environment_that_does_not_answer_fails_its_episode_named() -> None:
+    port = _free_port()
+    cfg = _cfg("http://127.0.0.1:9", port, timeout_s=1.0)
+    ep = _endpoint(cfg)
+    ep.start()
+    pipe, _, _, loop = make_pipeline(cfg, say, endpoint=ep)
+    try:
+        job = pipe.wait_for_batch(1)
+        for out in job.outputs:
+            assert out.finish_reason == "failed" and "unreachable" in out.failure
+            assert set(out.loss_mask) == {0}
+        assert pipe.take_env_failures() >= 4
+    finally:
+        ep.stop()
+        loop.close()
+
+
+def test_episode_answers_are_checked() -> None:
+    assert environment_client.parse_episode({"reward": 1, "info": {"x": 1}}, "e").reward == 1.0
+    with pytest.raises(environment_client.EnvironmentBadAnswer, match="reward must be a finite number"):
+        environment_client.parse_episode({"reward": "1"}, "e")
+    with pytest.raises(environment_client.EnvironmentBadAnswer, match="JSON object"):
+        environment_client.parse_episode([1], "e")
+
+
+def test_config_mode_agent_needs_the_endpoint_and_no_tools() -> None:
+    good = _cfg("http://e", 8000).model_dump(by_alias=True, exclude_none=True)
+    del good["endpoint"]
+    with pytest.raises(ValueError, match=r"`endpoint` must be set"):
+        config.parse_config(good)
+    good = _cfg("http://e", 8000).model_dump(by_alias=True, exclude_none=True)
+    good["agent"]["tools"] = [{"name": "calc", "kind": "calculator"}]
+    with pytest.raises(ValueError, match=r"remove agent\.tools"):
+        config.parse_config(good)
+
+
+def test_a_call_interrupted_at_a_weight_sync_resumes_and_keeps_each_tokens_version(running) -> None:
+    long_answer = "42" * 12  # 25 tokens with EOS: several polls of the scripted engine
+
+    def script(text: str) -> str:  # a resumed call goes on from the tokens it has, as an engine does
+        if "say 42" not in text.lower():
+            return "?"
+        return long_answer[len(text.rsplit("assistant: ", 1)[1]) :]
+
+    pipe, (a, b), env, _ = running("chat", script=script)
+    pipe.cfg.rollout.partial_rollouts = True
+    # Steps 1 and 2 are in flight (maxStaleness 1); the trainer takes step 1 next, so a call of step
+    # 2 is interrupted at the sync. Run until one is generating (it has some of its tokens).
+
+    def ahead() -> bool:
+        return any(
+            r in pipe._call_of and pipe._request_of[r][0] > 1 and c.engine in ("a", "b")
+            for c in pipe.calls.values()
+            for r in c.ids
+        )
+
+    pipe.pump(ahead, current=1)
+    assert ahead()
+    interrupted = pipe.quiesce(["a", "b"])
+    assert interrupted and pipe.interrupted > 0
+    a.version = b.version = 1
+    pipe.resume_engines(interrupted)
+    pipe.pump(lambda: all(j.complete for j in pipe.jobs.values()), current=1)
+    resumed = [
+        s for j in pipe.jobs.values() for o in j.outputs for s in o.segments if s.meta.get("interrupts")
+    ]
+    assert resumed
+    for s in resumed:
+        gen = [v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m]
+        assert gen == sorted(gen) and gen[0] == 0 and gen[-1] == 1  # each token its own version
+        assert s.meta["version"] == 0  # the oldest: what the staleness bound reads
+        # The agent read the whole answer, across the sync, and the sample holds exactly its tokens.
+        assert TOK.decode(s.token_ids).startswith(long_answer + TOK.eos_token)
+    assert sorted(pipe.jobs) == [1, 2]
+    assert all(o.env_reward == 1.0 for j in pipe.jobs.values() for o in j.outputs)
+    for j in pipe.jobs.values():
+        for o in j.outputs:
+            for _, body in env.answers[o.meta["episode_id"]]:
+                assert body["choices"][0]["message"]["content"] == long_answer
+
+
+def test_evaluation_runs_endpoint_episodes_at_its_own_sampling(running) -> None:
+    pipe, (a, b), env, _ = running("chat")
+    pipe.wait_for_batch(1)  # training's episodes first (the job's temperature, 1.0)
+    before = {id(c) for e in (a, b) for c in e.calls}
+    outs = pipe.run_episodes([], [11, 12], temperature=0.25, top_p=0.5)
+    assert len(outs) == 2 and all(o.env_reward == 1.0 and len(o.segments) == 1 for o in outs)
+    calls = [c for e in (a, b) for c in e.calls if id(c) not in before]
+    # The evaluation's calls hold only its own requests, sampled at its settings.
+    assert calls and {(c.sampling.temperature, c.sampling.top_p) for c in calls} == {(0.25, 0.5)}
+    seeds = sorted(r["seed"] for r in env.requests if r["episode_id"] in {o.meta["episode_id"] for o in outs})
+    assert seeds == [11, 12]
