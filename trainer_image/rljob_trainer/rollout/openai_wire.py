@@ -579,17 +579,8 @@ def chat_response(
         if request.return_token_ids:
             entry["token_ids"] = list(c.token_ids)
         out_choices.append(entry)
-    body: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": out_choices,
-        "usage": _usage(prompt_ids, choices),
-    }
-    if request.return_token_ids:
-        body["prompt_token_ids"] = list(prompt_ids)
-    return body
+    return _envelope("chat.completion", out_choices, choices, prompt_ids, request.return_token_ids,
+                     response_id=response_id, created=created, model=model)  # fmt: skip
 
 
 def completion_response(
@@ -626,15 +617,31 @@ def completion_response(
         if request.return_token_ids:
             entry["token_ids"] = list(c.token_ids)
         out_choices.append(entry)
+    return _envelope("text_completion", out_choices, choices, prompt_ids, request.return_token_ids,
+                     response_id=response_id, created=created, model=model)  # fmt: skip
+
+
+def _envelope(
+    kind: str,
+    out_choices: list[dict[str, Any]],
+    choices: Sequence[Choice],
+    prompt_ids: Sequence[int],
+    return_token_ids: bool,
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+) -> dict[str, Any]:
+    """What both response bodies share around their choices: ids, usage, the prompt's token ids."""
     body: dict[str, Any] = {
         "id": response_id,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": out_choices,
         "usage": _usage(prompt_ids, choices),
     }
-    if request.return_token_ids:
+    if return_token_ids:
         body["prompt_token_ids"] = list(prompt_ids)
     return body
 
