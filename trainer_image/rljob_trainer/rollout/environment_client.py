@@ -181,20 +181,9 @@ class EnvironmentClient:
         body: dict[str, Any] = {"seed": int(seed)}
         if task is not None:
             body["task"] = task
-        with self._lock:
-            first = next(self._next)
-        error: EnvironmentCallError | None = None
-        for k in range(len(self.replicas)):
-            base = self.replicas[(first + k) % len(self.replicas)]
-            try:
-                data = self._call("POST", "/reset", body, base=base)
-            except (EnvironmentUnreachable, EnvironmentTimeout) as e:
-                error = e
-                continue
-            reset = parse_reset(data, f"environment {self.settings.name} reset")
-            return Reset(reset.episode_id, reset.observation, reset.info, base)
-        assert error is not None
-        raise error
+        data, base = self._on_next_replica("/reset", body, (EnvironmentUnreachable, EnvironmentTimeout))
+        reset = parse_reset(data, f"environment {self.settings.name} reset")
+        return Reset(reset.episode_id, reset.observation, reset.info, base)
 
     def run_episode(
         self, episode_id: str, seed: int, task: str | dict[str, Any] | None, base_url: str, model: str
@@ -210,18 +199,24 @@ class EnvironmentClient:
         }
         if task is not None:
             body["task"] = task
+        data, base = self._on_next_replica("/episode", body, (EnvironmentUnreachable,))
+        result = parse_episode(data, f"environment {self.settings.name} episode")
+        return EpisodeResult(result.reward, result.info, base)
+
+    def _on_next_replica(
+        self, path: str, body: dict[str, Any], passed_over: tuple[type[EnvironmentCallError], ...]
+    ) -> tuple[Any, str]:
+        """POST `body` to the next replica in turn, passing over (each at most once) one whose call
+        fails with one of `passed_over`; the answer and the replica that gave it."""
         with self._lock:
             first = next(self._next)
         error: EnvironmentCallError | None = None
         for k in range(len(self.replicas)):
             base = self.replicas[(first + k) % len(self.replicas)]
             try:
-                data = self._call("POST", "/episode", body, base=base)
-            except EnvironmentUnreachable as e:
+                return self._call("POST", path, body, base=base), base
+            except passed_over as e:
                 error = e
-                continue
-            result = parse_episode(data, f"environment {self.settings.name} episode")
-            return EpisodeResult(result.reward, result.info, base)
         assert error is not None
         raise error
 
