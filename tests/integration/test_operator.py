@@ -57,7 +57,9 @@ TINY_CONFIG = {
 @contextmanager
 def operator(namespace: str) -> Iterator[KopfRunner]:
     args = ["run", "--standalone", "--namespace", namespace, "-m", HANDLERS_MODULE]
-    with KopfRunner(args, timeout=60) as runner:
+    # The stop waits for the handlers in flight; on two cores shared with the other test worker one
+    # took over 60 s once (test_kueue_admission, 2026-12-07 CI), with the test's checks all passed.
+    with KopfRunner(args, timeout=120) as runner:
         yield runner
 
 
