@@ -116,6 +116,9 @@ def live_pods(cluster: Any, namespace: str, job: str) -> dict[str, dict[str, Any
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
 
 
+# 196-232 s in most runs; on two cores loaded by the other worker's vLLM engines one run passed its
+# checks up to the scale-down and then met the default 900 s (CI, 2026-12-07). Each wait is bounded.
+@pytest.mark.timeout(1800)
 def test_adaptive_job_wakes_adds_survives_loss_and_drains(
     cluster: Any,
     crd: None,

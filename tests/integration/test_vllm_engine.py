@@ -138,6 +138,13 @@ def _generate_in_thread(engine, prompts, sampling):
     return t, out
 
 
+def _wait_gone(cores, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while cores():
+        assert time.monotonic() < deadline, f"the engine's processes must be gone: {cores()}"
+        time.sleep(0.2)
+
+
 def _wait_inflight(engine, n: int = 1) -> None:
     deadline = time.monotonic() + 60
     while len(engine.inflight_request_ids()) < n:
@@ -286,7 +293,10 @@ def test_sleep_without_sleep_mode_stops_the_engine_and_wake_starts_it_with_the_w
         first = engine.generate(PROMPTS, _sampling(len(PROMPTS)))
 
         engine.sleep(1)  # level 1 keeps weights on a GPU; a stop cannot
-        assert engine.is_sleeping and not cores(), "the engine's processes must be gone"
+        assert engine.is_sleeping
+        # vLLM's shutdown signals its EngineCore and returns; on two loaded cores the process took
+        # longer than the shutdown to exit once (CI, 2026-12-07).
+        _wait_gone(cores)
         engine.wake(["weights"])
         engine.wake(["kv_cache"])
         assert engine.starts == 2 and engine.start_report()["last_start_s"] > 0
@@ -311,6 +321,7 @@ def test_sleep_without_sleep_mode_stops_the_engine_and_wake_starts_it_with_the_w
         # EngineCore dies while a weight reload waits for it: vLLM never answers that call, and the
         # engine gives it up as a death within seconds, not after rollout.engineTimeoutS (600 s).
         engine.sleep(1)
+        _wait_gone(cores)
         engine.wake(["weights"])
         (core,) = cores()
         core.suspend()  # the reload is sent and waits, as one in flight when a core dies does
