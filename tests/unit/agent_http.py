@@ -98,7 +98,124 @@ class AgentEnvironment:
         return reward, {"calls": len(answers)}
 
 
-def serve(env: AgentEnvironment) -> tuple[str, ThreadingHTTPServer]:
+class OpenAIClientEnvironment:
+    """The same agent written against the official `openai` client, as an environment of mode agent
+    really is: `stream=True` iterates Server-Sent Events (`stream_options.include_usage`), else whole
+    answers. Per episode it keeps what the client reassembled from each call: the text, the
+    log-probs and token ids it read, the finish reason, the usage, and how many chunks came."""
+
+    name = "openai-agent"
+
+    def __init__(self, token: str, api: str = "chat", *, stream: bool = True, calls: int = 2) -> None:
+        self.token, self.api, self.stream, self.calls = token, api, stream, calls
+        self.lock = threading.Lock()
+        self.answers: dict[str, list[dict[str, Any]]] = {}
+
+    def run_episode(
+        self, episode_id: str, seed: int, task: str | Mapping[str, Any] | None, base_url: str, model: str
+    ) -> tuple[float, dict[str, Any]]:
+        import openai  # the test environment's (vLLM's dependency); rljob_env itself never imports it
+
+        client = openai.OpenAI(base_url=base_url, api_key=self.token, max_retries=0, timeout=30)
+        read: list[dict[str, Any]] = []
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Say 42 (seed {seed})."}]
+        prompt = f"Say 42 (seed {seed}).\n"
+        for _ in range(self.calls):
+            if self.api == "chat":
+                got = self._chat(client, model, messages)
+                messages += [
+                    {"role": "assistant", "content": got["text"]},
+                    {"role": "user", "content": "Again: say 42."},
+                ]
+            else:
+                got = self._completion(client, model, prompt)
+                prompt += got["text"] + "\nAgain: say 42.\n"
+            read.append(got)
+        with self.lock:
+            self.answers[episode_id] = read
+        return sum(0.5 for r in read if "42" in r["text"]), {"calls": len(read)}
+
+    def _chat(self, client: Any, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "logprobs": True,
+            "temperature": 0.3,  # ignored: the job's sampling serves (X-RLJob-Sampling says which)
+            "extra_body": {"return_token_ids": True},
+        }
+        if not self.stream:
+            resp = client.chat.completions.create(**kw)
+            (choice,) = resp.choices
+            return {
+                "text": choice.message.content or "",
+                "logprobs": [e.logprob for e in choice.logprobs.content],
+                "token_ids": choice.model_extra["token_ids"],
+                "prompt_token_ids": resp.model_extra["prompt_token_ids"],
+                "finish_reason": choice.finish_reason,
+                "usage": resp.usage.model_dump(
+                    include={"prompt_tokens", "completion_tokens", "total_tokens"}
+                ),
+                "chunks": 0,
+            }
+        chunks = list(
+            client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        )
+        got = _reassemble(chunks)
+        got["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got["roles"] = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+        got["logprobs"] = [
+            e.logprob
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
+        return got
+
+    def _completion(self, client: Any, model: str, prompt: str) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt,
+            "logprobs": 0,
+            "max_tokens": 32,
+            "extra_body": {"return_token_ids": True},
+        }
+        if not self.stream:
+            resp = client.completions.create(**kw)
+            (choice,) = resp.choices
+            return {"text": choice.text, "logprobs": choice.logprobs.token_logprobs, "chunks": 0}
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        got = _reassemble(chunks)
+        got["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+        got["logprobs"] = [
+            x
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs
+        ]
+        got["text_offset"] = [
+            x
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.text_offset
+        ]
+        return got
+
+
+def _reassemble(chunks: list[Any]) -> dict[str, Any]:
+    """What both streams carry beside their text: ids, the finish reason, the usage chunk."""
+    with_choices = [c for c in chunks if c.choices]
+    (usage,) = [c.usage for c in chunks if c.usage is not None]
+    return {
+        "token_ids": [t for c in with_choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])],
+        "prompt_token_ids": (chunks[0].model_extra or {}).get("prompt_token_ids"),
+        "finish_reason": [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason],
+        "usage": usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}),
+        "chunks": len(chunks),
+        "last_has_choices": bool(chunks[-1].choices),
+    }
+
+
+def serve(env: AgentEnvironment | OpenAIClientEnvironment) -> tuple[str, ThreadingHTTPServer]:
     httpd = server.make_server(env, 0, "127.0.0.1")
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{httpd.server_address[1]}", httpd

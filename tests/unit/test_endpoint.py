@@ -7,12 +7,14 @@ generated them; an episode's calls stay on one engine; no token, no call."""
 
 from __future__ import annotations
 
+import json
 import socket
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
-from agent_http import AgentEnvironment, call, serve
+from agent_http import AgentEnvironment, OpenAIClientEnvironment, call, serve
 from agent_scripted import TOK, make_pipeline
 
 from rljob_trainer import config
@@ -64,8 +66,10 @@ def running() -> Iterator[Any]:
     """start(api, token) -> (pipeline, engines, agent environment, endpoint); all stopped afterwards."""
     stop: list[Any] = []
 
-    def start(api: str = "chat", token: str | None = TOKEN, script: Any = None, **kw: Any) -> Any:
-        env = AgentEnvironment(token, api=api)
+    def start(
+        api: str = "chat", token: str | None = TOKEN, script: Any = None, env: Any = None, **kw: Any
+    ) -> Any:
+        env = env or AgentEnvironment(token, api=api)
         url, httpd = serve(env)
         stop.append(httpd.shutdown)
         cfg = _cfg(url, _free_port(), **kw)
@@ -173,6 +177,120 @@ def test_an_endpoint_without_its_token_does_not_start() -> None:
     cfg = _cfg("http://127.0.0.1:9", 8000)
     with pytest.raises(ValueError, match="RLJOB_ENDPOINT_TOKEN"):
         _endpoint(cfg, token="")
+
+
+# ---- the official openai client, whole answers and streamed ---------------------------------------
+ANSWER = "The answer: 42."  # one token per character here: a stream of many chunks
+
+
+def say_long(prompt_text: str) -> str:
+    return ANSWER if "say 42" in prompt_text.lower() else "?"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_the_openai_client_reads_chat_answers_and_the_episode_trains_the_engines_tokens(
+    running, stream: bool
+) -> None:
+    env = OpenAIClientEnvironment(TOKEN, "chat", stream=stream)
+    pipe, _, _, _ = running(env=env, script=say_long)
+    job = pipe.wait_for_batch(1)
+    answer_ids = [*TOK.encode(ANSWER, add_special_tokens=False), TOK.eos_token_id]
+    for out in job.outputs:
+        assert isinstance(out, endpoint_episode.EndpointEpisodeOutput) and out.failure is None
+        first, second = env.answers[out.meta["episode_id"]]
+        for got in (first, second):
+            # What the client put back together is the whole answer: its text, ids, finish, usage.
+            assert got["text"] == ANSWER and got["token_ids"] == answer_ids
+            assert got["finish_reason"] == (["stop"] if stream else "stop")
+            n_prompt = len(got["prompt_token_ids"])
+            assert got["usage"] == {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": len(answer_ids),
+                "total_tokens": n_prompt + len(answer_ids),
+            }
+            # The engine's log-probs, one per token (the scripted engine's mark their engine and place).
+            mark = round(-got["logprobs"][0])
+            assert got["logprobs"] == pytest.approx(
+                [-(mark + 0.001 * (n_prompt + k)) for k in range(len(answer_ids))]
+            )
+        if stream:
+            # A chunk with the role, one per character (the EOS rides with the last), one with the
+            # finish reason, the usage chunk (no choices) last.
+            assert first["roles"] == ["assistant"] and not first["last_has_choices"]
+            assert first["chunks"] == 1 + len(ANSWER) + 1 + 1
+        # The episode trains exactly what the engine generated, whichever way the agent read it: its
+        # conversation went back as answered, so one sample, the two calls' ids and log-probs in it.
+        (seg,) = out.segments
+        assert list(seg.prompt_token_ids) == first["prompt_token_ids"]
+        assert list(seg.token_ids[: len(answer_ids)]) == answer_ids
+        assert list(seg.token_ids[-len(answer_ids) :]) == answer_ids
+        assert second["prompt_token_ids"] == [*seg.prompt_token_ids, *seg.token_ids[: -len(answer_ids)]]
+        n_gap = len(seg.token_ids) - 2 * len(answer_ids)
+        assert list(seg.logprobs) == [*first["logprobs"], *[0.0] * n_gap, *second["logprobs"]]
+        assert seg.loss_mask == (1,) * len(answer_ids) + (0,) * n_gap + (1,) * len(answer_ids)
+        assert out.env_reward == 1.0
+
+
+def test_the_openai_client_streams_completions_with_logprobs(running) -> None:
+    env = OpenAIClientEnvironment(TOKEN, "completions", stream=True)
+    pipe, _, _, _ = running(env=env, script=say_long)
+    job = pipe.wait_for_batch(1)
+    answer_ids = [*TOK.encode(ANSWER, add_special_tokens=False), TOK.eos_token_id]
+    for out in job.outputs:
+        assert out.failure is None and out.env_reward == 1.0
+        read = env.answers[out.meta["episode_id"]]
+        for got, seg in zip(read, out.segments, strict=True):
+            assert got["text"] == ANSWER and got["finish_reason"] == ["stop"]
+            assert got["token_ids"] == answer_ids and list(seg.token_ids) == answer_ids
+            # Each chunk's offsets run on over the whole text, as in a whole answer.
+            assert got["text_offset"] == list(range(len(answer_ids)))
+            assert list(seg.logprobs) == pytest.approx(got["logprobs"]) and len(got["logprobs"]) == len(
+                answer_ids
+            )
+            assert got["usage"]["completion_tokens"] == len(answer_ids)
+
+
+class RawStream:
+    """An agent reading the endpoint's stream as bytes: the wire itself (headers, events, [DONE])."""
+
+    name = "raw"
+
+    def __init__(self) -> None:
+        self.read: dict[str, tuple[Mapping[str, str], bytes]] = {}
+
+    def run_episode(
+        self, episode_id: str, seed: int, task: Any, base_url: str, model: str
+    ) -> tuple[float, dict[str, Any]]:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say 42."}],
+            "stream": True,
+            "temperature": 0.0,
+        }
+        req = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode())
+        req.add_header("Authorization", f"Bearer {TOKEN}")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            self.read[episode_id] = (dict(resp.headers), resp.read())
+        return 1.0, {}
+
+
+def test_a_stream_is_server_sent_events_ending_in_done(running) -> None:
+    env = RawStream()
+    pipe, _, _, _ = running(env=env, script=say_long)
+    job = pipe.wait_for_batch(1)
+    headers, raw = env.read[job.outputs[0].meta["episode_id"]]
+    assert headers["Content-Type"] == "text/event-stream" and headers["Transfer-Encoding"] == "chunked"
+    # The request's temperature (0) was not what served: the job's sampling did, and says so.
+    assert headers[endpoint.SAMPLING_HEADER] == "temperature=1; top_p=1"
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert "usage" not in chunks[0]  # no stream_options.include_usage: no usage at all
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ANSWER
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
 
 
 # ---- what the trainer trains on ---------------------------------------------------------------------

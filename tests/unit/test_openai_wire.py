@@ -6,6 +6,7 @@ tokens so a choice's text always decodes its recorded tokens, hermes tool calls 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from agent_scripted import TOK
@@ -39,7 +40,6 @@ def test_the_bearer_token_is_required_and_compared() -> None:
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        ({"stream": True}, "stream"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -134,3 +134,125 @@ def test_a_calls_budget() -> None:
     with pytest.raises(openai_wire.WireError) as exc:
         openai_wire.budget_tokens(None, 100, context_tokens=100, max_tokens=50)
     assert exc.value.code == "context_length_exceeded"
+
+
+# ---- streaming ----------------------------------------------------------------------------------------
+def test_stream_and_its_options_are_checked_as_openai_checks_them() -> None:
+    req = _chat(stream=True, stream_options={"include_usage": True})
+    assert req.stream and req.include_usage
+    assert not _chat(stream=False).stream and not _chat(stream=True).include_usage
+    done = openai_wire.parse_completion_request({"model": "m", "prompt": "x", "stream": True})
+    assert done.stream and not done.include_usage
+    for extra, field in (
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"stream": True, "stream_options": {"frobnicate": True}}, "stream_options"),
+    ):
+        with pytest.raises(openai_wire.WireError) as exc:
+            _chat(**extra)
+        assert exc.value.status == 400 and exc.value.param == field
+
+
+def _trained_tokenizer(kind: str) -> Any:
+    """A real subword tokenizer trained here: byte-level BPE (GPT-2's, Qwen's: a character may span
+    tokens) or Metaspace BPE (SentencePiece's: a word's space is the token's leading ▁)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>" if kind == "metaspace" else None))
+    if kind == "byte":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, special_tokens=["<unk>"])
+    tok.train_from_iterator(["the answer is forty two", "naïve café", "the cat sat"] * 20, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte", "metaspace"])
+def test_streamed_pieces_join_to_exactly_the_text_with_a_real_subword_tokenizer(kind: str) -> None:
+    tok = _trained_tokenizer(kind)
+
+    def text_of(ids: Any) -> str:
+        return str(tok.decode(list(ids), skip_special_tokens=False))
+
+    text = "The answer is 42: naïve café, 日本語 🙂 done." if kind == "byte" else "the answer is forty two"
+    ids = tok.encode(text).ids
+    assert text_of(ids) == text
+    pieces = openai_wire.stream_pieces(ids, text, text_of)
+    assert len(pieces) == len(ids) and "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)  # a character split over byte tokens is held back
+    if kind == "byte":
+        assert "" in pieces and "日" in "".join(pieces)  # ...and comes whole with its last byte
+    else:
+        assert any(p.startswith(" ") for p in pieces)  # a word's space with its word, not lost
+    assert sum(1 for p in pieces if p) > len(text.split()) // 2  # many chunks, not the text at once
+
+
+def test_streamed_pieces_fall_back_to_the_whole_text_when_pieces_would_not_join() -> None:
+    # A tokenizer whose whole decode cleans up spaces before punctuation (clean_up_tokenization_spaces):
+    # pieces read token by token would join to "a ,b"; the stream sends the answer's text instead.
+    def text_of(ids: Any) -> str:
+        return _text(ids).replace(" ,", ",")
+
+    ids = _ids("a ,b")
+    pieces = openai_wire.stream_pieces(ids, text_of(ids), text_of)
+    assert pieces == ["a,b", "", "", ""]
+
+
+def _reassemble(stream: openai_wire.EventStream) -> dict[str, Any]:
+    """What a client folds a chat stream into (as the openai client's stream helpers do)."""
+    content, calls, finish, lps = "", [], None, []
+    for chunk in stream.chunks:
+        for ch in chunk["choices"]:
+            content += ch["delta"].get("content") or ""
+            calls += ch["delta"].get("tool_calls", [])
+            finish = ch["finish_reason"] or finish
+            lps += [e["logprob"] for e in (ch["logprobs"] or {"content": []})["content"]]
+    return {"content": content, "tool_calls": calls, "finish_reason": finish, "logprobs": lps}
+
+
+def test_a_chat_stream_is_the_whole_answer_cut_in_chunks() -> None:
+    eos = frozenset({TOK.eos_token_id})
+    call = tools.format_tool_call(tools.ToolCall("calc", {"expression": "6*7"}))
+    plain = [*_ids("It is 42."), TOK.eos_token_id]
+    called = [*_ids("Let me compute. " + call), TOK.eos_token_id]
+    choices = [
+        openai_wire.make_choice(
+            ids,
+            [-0.5 - k for k in range(len(ids))],
+            "stop",
+            text_of=_text,
+            eos_ids=eos,
+            tools=True,
+            call_id="c",
+        )
+        for ids in (plain, called)
+    ]
+    req = _chat(stream=True, stream_options={"include_usage": True}, logprobs=True, return_token_ids=True)
+    args = {"response_id": "r", "created": 1, "model": "m", "token_text": lambda t: _text([t])}
+    whole = openai_wire.chat_response(req, choices, [1, 2, 3], **args)
+    stream = openai_wire.chat_chunks(req, choices, [1, 2, 3], **args, text_of=_text)
+    assert stream.chunks[0]["prompt_token_ids"] == [1, 2, 3]
+    assert stream.chunks[-1]["choices"] == [] and stream.chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in stream.chunks[:-1])
+    for i, expected in enumerate(whole["choices"]):
+        folded = _reassemble(
+            openai_wire.EventStream(
+                tuple({**c, "choices": [x for x in c["choices"] if x["index"] == i]} for c in stream.chunks)
+            )
+        )
+        message = expected["message"]
+        assert folded["content"] == (message["content"] or "")
+        assert [{k: v for k, v in tc.items() if k != "index"} for tc in folded["tool_calls"]] == message.get(
+            "tool_calls", []
+        )
+        assert folded["finish_reason"] == expected["finish_reason"]
+        assert folded["logprobs"] == [e["logprob"] for e in expected["logprobs"]["content"]]
+    assert whole["choices"][1]["finish_reason"] == "tool_calls"
+    events = list(stream.events())
+    assert events[-1] == b"data: [DONE]\n\n" and json.loads(events[0][6:]) == stream.chunks[0]

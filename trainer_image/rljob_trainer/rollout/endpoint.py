@@ -8,14 +8,16 @@ the episode's base URL, `<url>/episodes/<episode id>/v1` (or `/v1` with the head
 Every call needs the job's bearer token (`Authorization: Bearer $OPENAI_API_KEY`, compared in constant
 time); a call names an open episode or is refused, so only the job's episodes reach its engines.
 
-Served: `POST /v1/chat/completions`, `POST /v1/completions` (non-streaming), `GET /v1/models`, and
-`GET /healthz` (no token). A call is rendered and tokenised on its HTTP thread (its own tokenizer,
+Served: `POST /v1/chat/completions`, `POST /v1/completions` (whole, or with `stream: true` as
+Server-Sent Events cut from the finished completion: `openai_wire.chat_chunks`), `GET /v1/models`,
+and `GET /healthz` (no token). A call is rendered and tokenised on its HTTP thread (its own tokenizer,
 one call at a time), then handed to the driver's loop (`drain`): the rollout pipeline queues it in
 the same dispatcher as every other request (pinned to its episode's engine: the episode's prefix
 cache), so the engines' admission, the load the adaptive policy reads and the weight versions
 recorded per token are the same as for the trainer's own episodes. The HTTP thread waits for the
 engine's outputs, records each choice's tokens and log-probs in the episode (what the trainer will
-train on: `endpoint_episode.assemble_segments`) and answers.
+train on: `endpoint_episode.assemble_segments`) and answers; a streamed answer is recorded the same
+way before its first chunk is sent.
 
 Callers: `rljob_trainer.driver` (start, stop), `rljob_trainer.rollout.pipeline` (open and close
 episodes, drain calls), tests.
@@ -48,6 +50,10 @@ EPISODE_HEADER = "X-Episode-Id"
 SAMPLING_HEADER = "X-RLJob-Sampling"
 MAX_BODY_BYTES = 8 << 20
 _EPISODE_PATH = re.compile(r"^/episodes/([A-Za-z0-9_.-]{1,128})(/v1/.*)$")
+
+
+#: What a request is answered with: a JSON body, or (`stream: true`) a stream of events.
+Answer = dict[str, Any] | openai_wire.EventStream
 
 
 class EpisodeClosed(RuntimeError):
@@ -254,8 +260,9 @@ class Endpoint:
     # ---- one request -----------------------------------------------------------------------------
     def handle(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes
-    ) -> tuple[int, dict[str, Any], dict[str, str]]:
-        """(status, JSON body, extra headers) of one request (the HTTP handler's whole work)."""
+    ) -> tuple[int, Answer, dict[str, str]]:
+        """(status, JSON body or event stream, extra headers) of one request (the HTTP handler's
+        whole work)."""
         path = path.split("?", 1)[0]
         if method == "GET" and path == "/healthz":
             return 200, {"status": "ok", "model": self.model_name}, {}
@@ -351,7 +358,10 @@ class Endpoint:
 
     def _token_text(self, token_id: int) -> str:
         with self._tok_lock:
-            return self._text([token_id])
+            return self._token_text_locked(token_id)
+
+    def _token_text_locked(self, token_id: int) -> str:  # the caller holds _tok_lock
+        return self._text([token_id])
 
     def _turns(
         self,
@@ -373,7 +383,7 @@ class Endpoint:
         temperature, top_p = ep.sampling
         return {SAMPLING_HEADER: f"temperature={temperature:g}; top_p={top_p:g}"}
 
-    def _chat(self, data: Any, ep: EndpointEpisode) -> tuple[int, dict[str, Any], dict[str, str]]:
+    def _chat(self, data: Any, ep: EndpointEpisode) -> tuple[int, Answer, dict[str, str]]:
         req = openai_wire.parse_chat_request(data)
         openai_wire.check_model(req.model, self.model_name)
         call = ep.begin_call()
@@ -396,18 +406,22 @@ class Endpoint:
             tuple((c.message, c.token_ids) for c in choices),
         )
         ep.record(self._turns(call, outs, choices, self.clock() - t0), chat=record)
-        body = openai_wire.chat_response(
-            req,
-            choices,
-            prompt_ids,
-            response_id=rid,
-            created=int(self.wall_clock()),
-            model=self.model_name,
-            token_text=self._token_text,
-        )
+        envelope = {"response_id": rid, "created": int(self.wall_clock()), "model": self.model_name}
+        if req.stream:
+            with self._tok_lock:
+                stream = openai_wire.chat_chunks(
+                    req,
+                    choices,
+                    prompt_ids,
+                    **envelope,
+                    token_text=self._token_text_locked,
+                    text_of=self._text,
+                )
+            return 200, stream, self._headers(ep)
+        body = openai_wire.chat_response(req, choices, prompt_ids, **envelope, token_text=self._token_text)
         return 200, body, self._headers(ep)
 
-    def _completion(self, data: Any, ep: EndpointEpisode) -> tuple[int, dict[str, Any], dict[str, str]]:
+    def _completion(self, data: Any, ep: EndpointEpisode) -> tuple[int, Answer, dict[str, str]]:
         req = openai_wire.parse_completion_request(data)
         openai_wire.check_model(req.model, self.model_name)
         call = ep.begin_call()
@@ -428,14 +442,24 @@ class Endpoint:
                 req.prompt, tuple(prompt_ids), tuple((c.text, c.token_ids) for c in choices)
             )
         ep.record(self._turns(call, outs, choices, self.clock() - t0), completion=record)
+        envelope = {
+            "response_id": f"cmpl-{secrets.token_hex(12)}",
+            "created": int(self.wall_clock()),
+            "model": self.model_name,
+        }
+        if req.stream:
+            with self._tok_lock:
+                stream = openai_wire.completion_chunks(
+                    req,
+                    choices,
+                    prompt_ids,
+                    **envelope,
+                    token_text=self._token_text_locked,
+                    text_of=self._text,
+                )
+            return 200, stream, self._headers(ep)
         body = openai_wire.completion_response(
-            req,
-            choices,
-            prompt_ids,
-            response_id=f"cmpl-{secrets.token_hex(12)}",
-            created=int(self.wall_clock()),
-            model=self.model_name,
-            token_text=self._token_text,
+            req, choices, prompt_ids, **envelope, token_text=self._token_text
         )
         return 200, body, self._headers(ep)
 
@@ -464,7 +488,10 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 status, payload, headers = 500, err.body(), {}
             self._send(status, payload, headers)
 
-        def _send(self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str]) -> None:
+        def _send(self, status: int, payload: Answer, headers: Mapping[str, str]) -> None:
+            if isinstance(payload, openai_wire.EventStream):
+                self._send_events(payload, headers)
+                return
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -473,6 +500,21 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
+
+        def _send_events(self, stream: openai_wire.EventStream, headers: Mapping[str, str]) -> None:
+            # Chunked transfer encoding: each event its own HTTP chunk, flushed as it is written, so the
+            # connection stays reusable (HTTP/1.1 keep-alive) without a Content-Length known up front.
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            for event in stream.events():
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def do_GET(self) -> None:
             self._serve("GET")

@@ -14,9 +14,14 @@ serve what it cannot train on exactly):
   top-p (`rljob_trainer.model.sampling`), and a token sampled otherwise would be trained with the
   wrong behaviour probability. `seed` is ignored too (each call's seed is the job's, per episode).
 - `frequency_penalty`, `presence_penalty`, `logit_bias`, `response_format` other than text,
-  `top_logprobs` above 0 (the engine returns the sampled token's log-prob only), `stream`, `echo`,
-  `suffix`, `best_of` above 1 and `tool_choice` other than auto/none are refused by name; unknown
-  top-level arguments are refused as OpenAI refuses them.
+  `top_logprobs` above 0 (the engine returns the sampled token's log-prob only), `echo`, `suffix`,
+  `best_of` above 1 and `tool_choice` other than auto/none are refused by name; unknown top-level
+  arguments are refused as OpenAI refuses them.
+- `stream: true` is served as Server-Sent Events in OpenAI's chunk format (`chat_chunks`,
+  `completion_chunks`; `stream_options.include_usage` adds the usage chunk). The engines generate a
+  call's whole completion before it is answered, so its chunks are cut from the finished choice
+  (one per token, text held back while a character is incomplete, `stream_pieces`): the text they
+  join to is the non-streaming answer's, and what is trained on is the same either way.
 - `stop` strings are applied to the engine's output (`apply_stop`): the tokens kept are the longest
   prefix whose text ends before the first stop string, and the text returned is theirs, so a
   choice's text always decodes the tokens recorded for training.
@@ -32,7 +37,7 @@ from __future__ import annotations
 import hmac
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +59,6 @@ _IGNORED = frozenset(
         "store",
         "service_tier",
         "parallel_tool_calls",
-        "stream_options",
         "reasoning_effort",
         "prompt_cache_key",
         "safety_identifier",
@@ -73,6 +77,7 @@ _CHAT_FIELDS = frozenset(
         "logprobs",
         "top_logprobs",
         "stream",
+        "stream_options",
         "frequency_penalty",
         "presence_penalty",
         "logit_bias",
@@ -89,6 +94,7 @@ _COMPLETION_FIELDS = frozenset(
         "stop",
         "logprobs",
         "stream",
+        "stream_options",
         "echo",
         "suffix",
         "best_of",
@@ -196,6 +202,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,8 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _int(body: Mapping[str, Any], key: str, low: int, high: int | None = None) -> int | None:
@@ -241,8 +251,6 @@ def _common(body: Any, allowed: frozenset[str]) -> None:
         )
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad("model is required: the name GET /v1/models lists", "model")
-    if body.get("stream"):
-        raise bad("stream is not supported by this endpoint: set stream to false", "stream")
     _number(body, "temperature", 0.0, 2.0)
     _number(body, "top_p", 0.0, 1.0)
     for key in ("frequency_penalty", "presence_penalty"):
@@ -256,6 +264,26 @@ def _common(body: Any, allowed: frozenset[str]) -> None:
         )
     if not isinstance(body.get("return_token_ids", False), bool):
         raise bad("return_token_ids must be true or false", "return_token_ids")
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), checked as OpenAI checks them."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
+    # include_obfuscation asks for random padding against length side channels; the endpoint is
+    # in-cluster only and sends none, so it is accepted and has nothing to do.
+    unknown = (
+        sorted(set(options) - {"include_usage", "include_obfuscation"}) if isinstance(options, dict) else []
+    )
+    if not isinstance(options, dict) or unknown or not isinstance(options.get("include_usage", False), bool):
+        raise bad("stream_options must be an object {include_usage: true or false}", "stream_options")
+    return True, bool(options.get("include_usage", False))
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -390,6 +418,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
+    stream, include_usage = _stream(body)
     return ChatRequest(
         model=body["model"],
         messages=parsed,
@@ -399,6 +428,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stop=_stop(body),
         logprobs=bool(body.get("logprobs")),
         return_token_ids=bool(body.get("return_token_ids", False)),
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
@@ -427,6 +458,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             "logprobs",
         )
     max_tokens = _int(body, "max_tokens", 1)
+    stream, include_usage = _stream(body)
     return CompletionRequest(
         model=body["model"],
         prompt=prompt,
@@ -435,6 +467,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         stop=_stop(body),
         logprobs=logprobs is not None,
         return_token_ids=bool(body.get("return_token_ids", False)),
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
@@ -476,6 +510,7 @@ class Choice:
     finish_reason: str  # stop, length, tool_calls
     message: Message
     tool_calls: tuple[dict[str, Any], ...] = ()  # OpenAI's tool_calls objects
+    text_tokens: int = 0  # how many of token_ids `text` decodes (all but an end-of-turn token)
 
 
 def apply_stop(
@@ -523,7 +558,8 @@ def make_choice(
         kept = apply_stop(body, text_of, stop)
         if kept is not None:
             ids, lps, reason = ids[:kept], lps[:kept], "stop"
-    text = text_of(ids[:-1] if ids and ids[-1] in eos_ids else ids)
+    text_tokens = len(ids) - 1 if ids and ids[-1] in eos_ids else len(ids)
+    text = text_of(ids[:text_tokens])
     content, calls = text, []
     if tools:
         parsed = tools_mod.parse_tool_calls(text)
@@ -543,15 +579,35 @@ def make_choice(
         content,
         tuple((c["function"]["name"], _arguments(c["function"]["arguments"], "tool_calls")) for c in calls),
     )
-    return Choice(tuple(ids), tuple(lps), text, reason, message, tuple(calls))
+    return Choice(tuple(ids), tuple(lps), text, reason, message, tuple(calls), text_tokens)
 
 
-def _logprob_entries(choice: Choice, token_text: Callable[[int], str]) -> list[dict[str, Any]]:
+def _logprob_entries(
+    token_ids: Sequence[int], logprobs: Sequence[float], token_text: Callable[[int], str]
+) -> list[dict[str, Any]]:
+    """chat.completion's `logprobs.content`: one entry per token (the sampled token's only)."""
     out = []
-    for t, lp in zip(choice.token_ids, choice.logprobs, strict=True):
+    for t, lp in zip(token_ids, logprobs, strict=True):
         s = token_text(t)
         out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
     return out
+
+
+def _completion_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[float], token_text: Callable[[int], str], offset: int = 0
+) -> dict[str, Any]:
+    """text_completion's `logprobs` for these tokens, their text offsets counted from `offset`."""
+    texts = [token_text(t) for t in token_ids]
+    offsets = []
+    for s in texts:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": texts,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
 
 
 def chat_response(
@@ -574,7 +630,11 @@ def chat_response(
             "index": i,
             "message": message,
             "finish_reason": c.finish_reason,
-            "logprobs": {"content": _logprob_entries(c, token_text)} if request.logprobs else None,
+            "logprobs": (
+                {"content": _logprob_entries(c.token_ids, c.logprobs, token_text)}
+                if request.logprobs
+                else None
+            ),
         }
         if request.return_token_ids:
             entry["token_ids"] = list(c.token_ids)
@@ -603,17 +663,7 @@ def completion_response(
             "logprobs": None,
         }
         if request.logprobs:
-            texts = [token_text(t) for t in c.token_ids]
-            offsets, at = [], 0
-            for s in texts:
-                offsets.append(at)
-                at += len(s)
-            entry["logprobs"] = {
-                "tokens": texts,
-                "token_logprobs": list(c.logprobs),
-                "top_logprobs": None,
-                "text_offset": offsets,
-            }
+            entry["logprobs"] = _completion_logprobs(c.token_ids, c.logprobs, token_text)
         if request.return_token_ids:
             entry["token_ids"] = list(c.token_ids)
         out_choices.append(entry)
@@ -653,6 +703,166 @@ def _usage(prompt_ids: Sequence[int], choices: Sequence[Choice]) -> dict[str, in
         "completion_tokens": completion,
         "total_tokens": len(prompt_ids) + completion,
     }
+
+
+# ---- streaming: the same answer as Server-Sent Events ------------------------------------------------
+#: Tokens decoded before a new one to read its text (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET):
+#: a token's leading space, or a character split over several byte tokens, needs its neighbours.
+_DETOKENIZE_WINDOW = 5
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A streamed answer: its chunks, each sent as a Server-Sent Event `data: <JSON>`, then
+    `data: [DONE]` (OpenAI's stream; any OpenAI client iterates it with `stream=True`)."""
+
+    chunks: tuple[dict[str, Any], ...]
+
+    def events(self) -> Iterator[bytes]:
+        for chunk in self.chunks:
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def stream_pieces(token_ids: Sequence[int], text: str, text_of: Callable[[Sequence[int]], str]) -> list[str]:
+    """One text piece per token, joining to exactly `text` (`text_of(token_ids)`): incremental
+    detokenisation as vLLM's `detokenize_incrementally` does it (each token read after a few before
+    it; a piece ending in an incomplete character, U+FFFD, is held back and comes with the next).
+    A tokenizer whose pieces do not join to its whole decode (a clean-up of spaces, say) gets the
+    whole text in the first piece: what a client reassembles is always the answer's text."""
+    pieces: list[str] = []
+    prefix_at = read_at = 0
+    for i in range(len(token_ids)):
+        before = text_of(token_ids[prefix_at:read_at])
+        after = text_of(token_ids[prefix_at : i + 1])
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            pieces.append(after[len(before) :])
+            prefix_at, read_at = max(0, i + 1 - _DETOKENIZE_WINDOW), i + 1
+        else:
+            pieces.append("")
+    if "".join(pieces) != text:
+        return [text, *[""] * (len(token_ids) - 1)] if token_ids else []
+    return pieces
+
+
+def _stream_groups(choice: Choice, text_of: Callable[[Sequence[int]], str]) -> list[tuple[int, int, str]]:
+    """A choice's content chunks as (first token, end token, text): a token whose text is held back
+    (or an end-of-turn token, which has none) is sent with the chunk after it (or the last one)."""
+    n = len(choice.token_ids)
+    pieces = stream_pieces(choice.token_ids[: choice.text_tokens], choice.text, text_of)
+    pieces += [""] * (n - len(pieces))
+    groups: list[tuple[int, int, str]] = []
+    start = 0
+    for k, piece in enumerate(pieces):
+        if piece:
+            groups.append((start, k + 1, piece))
+            start = k + 1
+    if start < n:
+        if groups:
+            first, _, piece = groups[-1]
+            groups[-1] = (first, n, piece)
+        else:
+            groups.append((0, n, ""))
+    return groups
+
+
+def _chunk(kind: str, choices: list[dict[str, Any]], include_usage: bool, **envelope: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {**envelope, "object": kind, "choices": choices}
+    if include_usage:
+        body["usage"] = None  # OpenAI's: null on every chunk but the last
+    return body
+
+
+def _stream_end(
+    kind: str,
+    chunks: list[dict[str, Any]],
+    choices: Sequence[Choice],
+    prompt_ids: Sequence[int],
+    request: ChatRequest | CompletionRequest,
+    envelope: dict[str, Any],
+) -> EventStream:
+    """What both streams share: the prompt's ids on the first chunk, the usage chunk last."""
+    if request.return_token_ids and chunks:
+        chunks[0]["prompt_token_ids"] = list(prompt_ids)
+    if request.include_usage:
+        chunks.append({**envelope, "object": kind, "choices": [], "usage": _usage(prompt_ids, choices)})
+    return EventStream(tuple(chunks))
+
+
+def chat_chunks(
+    request: ChatRequest,
+    choices: Sequence[Choice],
+    prompt_ids: Sequence[int],
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    token_text: Callable[[int], str],
+    text_of: Callable[[Sequence[int]], str],
+) -> EventStream:
+    """A `chat.completion.chunk` stream of the same answer as `chat_response`: per choice, a chunk
+    with the role, a chunk per piece of content (its tokens' log-probs and, on request, ids), then
+    one with `finish_reason`. A choice with tool calls sends its content and its calls in one chunk
+    (the calls are parsed from the whole text, so their tokens cannot be cut apart)."""
+    kind, envelope = "chat.completion.chunk", {"id": response_id, "created": created, "model": model}
+    chunks: list[dict[str, Any]] = []
+
+    def add(index: int, delta: dict[str, Any], c: Choice, start: int, end: int, finish: str | None) -> None:
+        ids, lps = c.token_ids[start:end], c.logprobs[start:end]
+        entry: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": {"content": _logprob_entries(ids, lps, token_text)}
+            if request.logprobs and ids
+            else None,
+            "finish_reason": finish,
+        }
+        if request.return_token_ids and ids:
+            entry["token_ids"] = list(ids)
+        chunks.append(_chunk(kind, [entry], request.include_usage, **envelope))
+
+    for i, c in enumerate(choices):
+        add(i, {"role": "assistant", "content": ""}, c, 0, 0, None)
+        if c.tool_calls:
+            delta: dict[str, Any] = {"content": c.message.content} if c.message.content else {}
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(c.tool_calls)]
+            add(i, delta, c, 0, len(c.token_ids), None)
+        else:
+            for start, end, piece in _stream_groups(c, text_of):
+                add(i, {"content": piece}, c, start, end, None)
+        add(i, {}, c, 0, 0, c.finish_reason)
+    return _stream_end(kind, chunks, choices, prompt_ids, request, envelope)
+
+
+def completion_chunks(
+    request: CompletionRequest,
+    choices: Sequence[Choice],
+    prompt_ids: Sequence[int],
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    token_text: Callable[[int], str],
+    text_of: Callable[[Sequence[int]], str],
+) -> EventStream:
+    """A `text_completion` stream of the same answer as `completion_response`: per choice, a chunk
+    per piece of text (its tokens' log-probs and, on request, ids), then one with `finish_reason`."""
+    kind, envelope = "text_completion", {"id": response_id, "created": created, "model": model}
+    chunks: list[dict[str, Any]] = []
+    for i, c in enumerate(choices):
+        offset = 0
+        for start, end, piece in _stream_groups(c, text_of):
+            ids, lps = c.token_ids[start:end], c.logprobs[start:end]
+            logprobs = _completion_logprobs(ids, lps, token_text, offset) if request.logprobs else None
+            if logprobs is not None:  # offsets run on over the whole text, as in the whole answer
+                offset += sum(len(s) for s in logprobs["tokens"])
+            entry: dict[str, Any] = {"index": i, "text": piece, "logprobs": logprobs, "finish_reason": None}
+            if request.return_token_ids:
+                entry["token_ids"] = list(ids)
+            chunks.append(_chunk(kind, [entry], request.include_usage, **envelope))
+        end_entry = {"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
+        chunks.append(_chunk(kind, [end_entry], request.include_usage, **envelope))
+    return _stream_end(kind, chunks, choices, prompt_ids, request, envelope)
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:
