@@ -8,6 +8,7 @@ generated them; an episode's calls stay on one engine; no token, no call."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -17,6 +18,7 @@ import pytest
 from agent_http import AgentEnvironment, OpenAIClientEnvironment, call, serve
 from agent_scripted import TOK, make_pipeline
 
+from rljob_env import arithmetic_agent
 from rljob_trainer import config
 from rljob_trainer.model import modeling
 from rljob_trainer.rollout import endpoint, endpoint_episode, environment_client
@@ -34,7 +36,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cfg(env_url: str, port: int, *, timeout_s: float = 10.0, max_turns: int = 4) -> config.TrainerConfig:
+def _cfg(
+    env_url: str, port: int, *, timeout_s: float = 10.0, max_turns: int = 4, task: str | None = None
+) -> config.TrainerConfig:
     return config.parse_config(
         {
             "model": {
@@ -48,7 +52,9 @@ def _cfg(env_url: str, port: int, *, timeout_s: float = 10.0, max_turns: int = 4
             "rollout": {"kind": "transformers", "sharedEngines": 0, "dedicatedEngines": 2},
             "data": {"builtin": "toy-arithmetic", "chatTemplate": True},
             "agent": {"maxTurns": max_turns, "environment": "say"},
-            "environments": [{"name": "say", "url": env_url, "timeoutS": timeout_s, "mode": "agent"}],
+            "environments": [
+                {"name": "say", "url": env_url, "timeoutS": timeout_s, "mode": "agent", "task": task}
+            ],
             "endpoint": {"url": f"http://127.0.0.1:{port}", "port": port, "host": "127.0.0.1"},
         }
     )
@@ -291,6 +297,62 @@ def test_a_stream_is_server_sent_events_ending_in_done(running) -> None:
     assert "usage" not in chunks[0]  # no stream_options.include_usage: no usage at all
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ANSWER
     assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+
+
+# ---- the environment of mode agent shipped in the image ---------------------------------------------
+_STEP = re.compile(
+    r"(?:Start with|Correct:) (-?\d+)\. Step \d+ of \d+: (add|subtract|multiply it by) (\d+)\."
+)
+_OPS = {"add": int.__add__, "subtract": int.__sub__, "multiply it by": int.__mul__}
+
+
+def solve(prompt_text: str) -> str:
+    """A policy that does the arithmetic the conversation's last instruction asks for."""
+    *_, (value, op, n) = _STEP.findall(prompt_text)
+    return f"It is {_OPS[op](int(value), int(n))}."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_the_shipped_arithmetic_agent_plays_its_episodes_through_the_endpoint(running, stream: bool) -> None:
+    env = arithmetic_agent.ArithmeticAgent(TOKEN, stream=stream, timeout_s=30)
+    pipe, _, _, _ = running(env=env, script=solve, task="easy")  # 2 steps an episode
+    job = pipe.wait_for_batch(1)
+    for out in job.outputs:
+        assert isinstance(out, endpoint_episode.EndpointEpisodeOutput) and out.failure is None
+        # Solved: each step's reply was the engine's answer to the environment's instruction.
+        assert out.env_reward == 1.0 and out.turns == 2
+        (seg,) = out.segments  # the conversation went back as answered: one sample
+        text = TOK.decode(seg.token_ids)
+        replies = re.findall(r"It is -?\d+\.", text)
+        assert len(replies) == 2 and text.startswith(replies[0] + TOK.eos_token + "\nuser: Correct: ")
+        # Trained: the two replies' tokens (the engine's, with its log-probs); masked: what the
+        # environment said between them.
+        trained = [t for t, m in zip(seg.token_ids, seg.loss_mask, strict=True) if m]
+        assert TOK.decode(trained) == (replies[0] + TOK.eos_token) + (replies[1] + TOK.eos_token)
+        assert all(lp < 0 for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m)
+
+
+def test_the_shipped_arithmetic_agent_ends_on_a_wrong_reply_and_names_a_refusal(running) -> None:
+    env = arithmetic_agent.ArithmeticAgent(TOKEN, timeout_s=30)
+    pipe, _, _, _ = running(env=env, script=lambda _: "It is 7.", task={"steps": 3, "max_operand": 1000})
+    for out in pipe.wait_for_batch(1).outputs:
+        assert out.failure is None and out.turns == 1 and out.env_reward == 0.0  # wrong at step 1
+    # Without the job's token the endpoint refuses the first call: the episode fails, named.
+    refused = arithmetic_agent.ArithmeticAgent("wrong", timeout_s=30)
+    pipe, _, _, _ = running(env=refused, script=solve, task="easy")
+    for out in pipe.wait_for_batch(1).outputs:
+        assert out.finish_reason == "failed" and "401" in out.failure and "invalid_api_key" in out.failure
+    with pytest.raises(ValueError, match="OPENAI_API_KEY"):
+        arithmetic_agent.ArithmeticAgent("")
+
+
+def test_the_shipped_arithmetic_agent_stops_at_the_jobs_max_turns(running) -> None:
+    env = arithmetic_agent.ArithmeticAgent(TOKEN, timeout_s=30)
+    # maxTurns 2 against 4 steps: the endpoint refuses the third call, the episode ends with the
+    # share of steps done right (2 of 4), as the arithmetic environment rewards an early end.
+    pipe, _, _, _ = running(env=env, script=solve, task={"steps": 4, "max_operand": 50}, max_turns=2)
+    for out in pipe.wait_for_batch(1).outputs:
+        assert out.failure is None and out.turns == 2 and out.env_reward == 0.5
 
 
 # ---- what the trainer trains on ---------------------------------------------------------------------
