@@ -186,11 +186,17 @@ def _handler(server: EnvironmentServer) -> type[BaseHTTPRequestHandler]:
 
         def _send(self, status: int, payload: Mapping[str, Any]) -> None:
             data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The trainer stopped waiting (the episode timed out, or the job moved on): nothing to
+                # answer, and not the server's fault; a traceback in the pod's log would say it was.
+                self.close_connection = True
+                log.info("%s went away before %s was answered", self.address_string(), self.path)
 
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] == "/healthz":
