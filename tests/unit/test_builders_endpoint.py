@@ -50,6 +50,20 @@ def test_mode_defaults_to_steps_and_the_crd_offers_agent() -> None:
     assert '"steps"' in text and '"agent"' in text
 
 
+def test_an_agent_environment_without_a_command_runs_the_shipped_agent_environment() -> None:
+    spec = mode_agent_spec()
+    arith = spec.environments[0].model_copy(update={"mode": "agent"})  # no image, no command
+    agent = spec.rollout.agent.model_copy(update={"environment": "arith"})
+    spec = spec.model_copy(
+        update={"environments": [arith], "rollout": spec.rollout.model_copy(update={"agent": agent})}
+    )
+    (c,) = objects(spec, endpoint_token=TOKEN).environment_pods[0]["spec"]["containers"]
+    # It answers POST /episode (the steps default, rljob_env.arithmetic, would answer every one 404).
+    assert c["command"] == ["python", "-m", "rljob_env.arithmetic_agent"]
+    assert c["args"] == ["--port", "$(RLJOB_ENV_PORT)"]
+    assert _env_var(c, endpoint.OPENAI_API_KEY_ENV)["valueFrom"]["secretKeyRef"]["key"] == endpoint.TOKEN_KEY
+
+
 def test_without_an_agent_environment_nothing_of_the_endpoint_exists() -> None:
     objs = objects(agent_spec())
     assert not [k for k in _by_name(objs) if "endpoint" in k]

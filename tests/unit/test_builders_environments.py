@@ -11,6 +11,7 @@ import pytest
 from test_builders import make_spec, static_plan
 from test_builders_security import matches
 
+from rljob_env import arithmetic, arithmetic_agent
 from rljob_env import server as env_server
 from rljob_operator import api, builders, names
 from rljob_operator.builders import environments, network_policy, podgroup
@@ -163,8 +164,15 @@ def test_a_changed_environment_changes_only_its_own_pods_template_hash() -> None
 
 def test_the_contract_constants_agree_with_the_environment_package() -> None:
     assert names.ENV_ENVIRONMENT_PORT == env_server.ENV_PORT
-    assert api.DEFAULT_ENVIRONMENT_MODULE == "rljob_env.arithmetic"
-    __import__(api.DEFAULT_ENVIRONMENT_MODULE)
+    assert api.DEFAULT_ENVIRONMENT_MODULES == {
+        "steps": "rljob_env.arithmetic",
+        "agent": "rljob_env.arithmetic_agent",
+    }
+    # What each default serves: reset/step, or whole episodes (POST /episode) for mode agent.
+    served = {"steps": arithmetic.Arithmetic(), "agent": arithmetic_agent.ArithmeticAgent("token")}
+    for mode, module in api.DEFAULT_ENVIRONMENT_MODULES.items():
+        assert module == type(served[mode]).__module__
+        assert env_server.EnvironmentServer(served[mode]).agent_mode == (mode == "agent")
 
 
 # ---- Service and NetworkPolicies -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ Every public name is re-exported here: callers write `api.RLJobSpec`.
 """
 
 from rljob_operator.api.agents import (
-    DEFAULT_ENVIRONMENT_MODULE,
+    DEFAULT_ENVIRONMENT_MODULES,
     MAX_ENVIRONMENTS,
     AgentSpec,
     EnvironmentResourcesSpec,
@@ -171,7 +171,7 @@ __all__ = [
     "CPU_POD_CPU_DEFAULT",
     "CPU_POD_MEMORY_DEFAULTS",
     "CRD_NAME",
-    "DEFAULT_ENVIRONMENT_MODULE",
+    "DEFAULT_ENVIRONMENT_MODULES",
     "DEFAULT_RESOURCE_NAMES",
     "DEFAULT_TRAINER_IMAGE",
     "FINISHED_PHASES",

@@ -24,8 +24,12 @@ ENVIRONMENT_NAME_PATTERN = r"^[a-z]([-a-z0-9]{0,20}[a-z0-9])?$"
 MAX_ENVIRONMENTS = 4
 #: The smallest address space a python tool may have (the trainer's ToolSettings.memory_bytes floor).
 MIN_TOOL_MEMORY_BYTES = 16 * 1024**2
-#: What an environment runs when its command is not set: the environment shipped in the trainer image.
-DEFAULT_ENVIRONMENT_MODULE = "rljob_env.arithmetic"
+#: What an environment runs when its command is not set, by its mode: the arithmetic game shipped in
+#: the trainer image, stepped by the trainer (steps) or played by its own agent (agent).
+DEFAULT_ENVIRONMENT_MODULES: dict[str, str] = {
+    "steps": "rljob_env.arithmetic",
+    "agent": "rljob_env.arithmetic_agent",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +204,8 @@ class EnvironmentSpec(_Spec):
         CelRule(
             rule="!has(self.image) || has(self.command)",
             message="spec.environments[].command is required with an image of your own (the default "
-            "command, python -m " + DEFAULT_ENVIRONMENT_MODULE + ", is in the trainer image only)",
+            "commands, python -m " + " or ".join(DEFAULT_ENVIRONMENT_MODULES.values()) + ", are in the "
+            "trainer image only)",
             field_path=".command",
             reason="FieldValueRequired",
             check=lambda s: s.command is not None or s.image is None,
@@ -228,9 +233,11 @@ class EnvironmentSpec(_Spec):
         min_length=1,
         max_length=64,
         description="The container's command. Default: python -m "
-        + DEFAULT_ENVIRONMENT_MODULE
-        + " (the arithmetic environment shipped in the trainer image). The server listens on "
-        "$RLJOB_ENV_PORT (= port); write $(RLJOB_ENV_PORT) in args to pass it.",
+        + DEFAULT_ENVIRONMENT_MODULES["steps"]
+        + " (mode steps) or python -m "
+        + DEFAULT_ENVIRONMENT_MODULES["agent"]
+        + " (mode agent), the arithmetic environment shipped in the trainer image. The server listens "
+        "on $RLJOB_ENV_PORT (= port); write $(RLJOB_ENV_PORT) in args to pass it.",
     )
     args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=64, description="Arguments of the command."

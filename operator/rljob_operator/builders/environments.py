@@ -45,9 +45,10 @@ TERMINATION_GRACE_S = 10
 CLIENT_ROLES = (names.ROLE_TRAINER, names.ROLE_ROLLOUT)
 
 
-def default_command() -> list[str]:
-    """The command of an environment that sets none: the arithmetic environment of the trainer image."""
-    return ["python", "-m", api.DEFAULT_ENVIRONMENT_MODULE]
+def default_command(mode: str) -> list[str]:
+    """The command of an environment that sets none: the arithmetic environment of the trainer image,
+    of the environment's mode (an environment of mode agent answers POST /episode, not reset/step)."""
+    return ["python", "-m", api.DEFAULT_ENVIRONMENT_MODULES[mode]]
 
 
 def _env(job: JobRef, env: api.EnvironmentSpec) -> list[dict[str, Any]]:
@@ -81,7 +82,7 @@ def build_environment_pod(
     """Replica `index` of environment `env`: `<job>-env-<name>-<index>`."""
     if not 0 <= index < env.replicas:
         raise ValueError(f"environment {env.name} replica {index} is outside 0..{env.replicas - 1}")
-    command = list(env.command) if env.command is not None else default_command()
+    command = list(env.command) if env.command is not None else default_command(env.mode)
     args = list(env.args)
     if env.command is None and not args:
         args = ["--port", f"$({names.ENV_ENVIRONMENT_PORT})"]
