@@ -346,12 +346,24 @@ def test_the_shipped_arithmetic_agent_ends_on_a_wrong_reply_and_names_a_refusal(
         arithmetic_agent.ArithmeticAgent("")
 
 
-def test_the_shipped_arithmetic_agent_stops_at_the_jobs_max_turns(running) -> None:
+@pytest.mark.parametrize("budget", ["max_turns", "context"])
+def test_the_shipped_arithmetic_agent_ends_when_the_episodes_budget_is_spent(running, budget: str) -> None:
     env = arithmetic_agent.ArithmeticAgent(TOKEN, timeout_s=30)
-    # maxTurns 2 against 4 steps: the endpoint refuses the third call, the episode ends with the
-    # share of steps done right (2 of 4), as the arithmetic environment rewards an early end.
-    pipe, _, _, _ = running(env=env, script=solve, task={"steps": 4, "max_operand": 50}, max_turns=2)
+    task = {"steps": 4, "max_operand": 50}
+    if budget == "max_turns":
+        # maxTurns 2 against 4 steps: the endpoint refuses the third call.
+        pipe, _, _, _ = running(env=env, script=solve, task=task, max_turns=2)
+    else:
+        # Long right replies (185 characters of padding, then 60: each fits the room its call has):
+        # the third call's conversation is over the context an episode may hold (maxPromptTokens
+        # 256 + 200), and the endpoint refuses it (context_length_exceeded).
+        def padded(text: str) -> str:
+            return "." * (185 if text.count("assistant:") == 1 else 60) + solve(text)
+
+        pipe, _, _, _ = running(env=env, script=padded, task=task)
     for out in pipe.wait_for_batch(1).outputs:
+        # The episode ends there with the share of steps done right (2 of 4), as the arithmetic
+        # environment rewards an early end; its two calls are trained on.
         assert out.failure is None and out.turns == 2 and out.env_reward == 0.5
 
 

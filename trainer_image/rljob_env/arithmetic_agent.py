@@ -6,8 +6,8 @@ of `rljob_env.arithmetic` (the same tasks, seeds, checks and reward) with a smal
 the agent asks the job's endpoint for the reply of each turn (chat completions at the episode's
 `base_url`, with the token in $OPENAI_API_KEY), steps the episode with that reply, and sends the
 conversation back as it was answered with the environment's next words as the user's turn, until
-the episode ends or the endpoint refuses another call (`agent.maxTurns`). The reward is the
-episode's; every call the agent made is what the trainer trains on.
+the episode ends or the endpoint refuses another call (`agent.maxTurns` calls made, or the context
+full). The reward is the episode's; every call the agent made is what the trainer trains on.
 
 The agent speaks OpenAI's wire format with the standard library (`urllib`), as any OpenAI client
 sends it, so the environment runs in the trainer image and any image with a Python, without the
@@ -36,8 +36,10 @@ TOKEN_ENVS = ("OPENAI_API_KEY", "RLJOB_ENDPOINT_TOKEN")
 #: and closes it when that passes, which answers a waiting call at once; this only guards against a
 #: connection that never answers at all.
 CALL_TIMEOUT_S = 900.0
-#: The endpoint's error code when an episode made agent.maxTurns calls: the agent's turns are over.
-CALL_LIMIT_CODE = "episode_call_limit"
+#: The endpoint's refusals that mean the episode's budget is spent, as the trainer's own loop ends
+#: an episode: it made agent.maxTurns calls, or its conversation fills the context an episode may
+#: hold (lengths.maxPromptTokens + agent.maxTotalTokens).
+BUDGET_SPENT_CODES = frozenset({"episode_call_limit", "context_length_exceeded"})
 
 
 class EndpointError(Exception):
@@ -122,10 +124,10 @@ class ArithmeticAgent:
             try:
                 answer = chat(base_url, self._token, body, timeout_s=self.timeout_s)
             except EndpointError as exc:
-                if exc.code == CALL_LIMIT_CODE and calls:
-                    # The episode's turns are used up: it ends here with the share of steps done
-                    # right, as the arithmetic environment rewards an episode that ends early.
-                    reward, result = episode.step_index / len(episode.ops), "max_turns"
+                if exc.code in BUDGET_SPENT_CODES and calls:
+                    # The episode's turns or tokens are used up: it ends here with the share of steps
+                    # done right, as the arithmetic environment rewards an episode that ends early.
+                    reward, result = episode.step_index / len(episode.ops), str(exc.code)
                     break
                 # Anything else is the episode's failure, named for the trainer (it trains nothing).
                 raise server.ProtocolError(502, f"episode {episode_id}: call {calls + 1}: {exc}") from None
