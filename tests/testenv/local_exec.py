@@ -650,14 +650,16 @@ class LocalExecPods:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(self._ray_start_hook()), env.get("PYTHONPATH")) if p
             )
-        # A server's port (spec.environments[]): a free port of this machine instead of its container
-        # port, which every replica and job would otherwise share here (local_services).
+        # A server's port (spec.environments[], trainer pod 0's endpoint): a free port of this machine
+        # instead of its container port, which every replica and job would otherwise share here
+        # (local_services).
         local.labels = dict(pod.metadata.labels or {})
         local.named_ports = {p.name: int(p.container_port) for p in container.ports or [] if p.name}
-        if local_services.ENV_SERVER_PORT in env and env[local_services.ENV_SERVER_PORT].isdigit():
-            declared = int(env[local_services.ENV_SERVER_PORT])
-            local.port_map[declared] = self._pod_port(namespace, local.name, declared)
-            env[local_services.ENV_SERVER_PORT] = str(local.port_map[declared])
+        for port_env in local_services.PORT_ENVS:
+            if port_env in env and env[port_env].isdigit():
+                declared = int(env[port_env])
+                local.port_map[declared] = self._pod_port(namespace, local.name, declared)
+                env[port_env] = str(local.port_map[declared])
         if self._automount_token(pod):
             env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod, local))
         env[POD_MARKER_ENV] = local.uid

@@ -6,7 +6,9 @@ collide, and a Service's DNS name resolves nowhere here. For the servers rljob r
 kubelet does what the pod network, kube-proxy and the kubelet's prober do on a cluster:
 - each such pod gets a free port of this machine in place of its container port (`RLJOB_ENV_PORT`
   rewritten, `$(RLJOB_ENV_PORT)` in its args with it), fixed per pod name as its DNS name is: two
-  replicas or two jobs never collide;
+  replicas or two jobs never collide; so does trainer pod 0's OpenAI-compatible endpoint
+  (`RLJOB_ENDPOINT_PORT`, the container port `endpoint`), which the environment pods of mode agent
+  reach by the pod's own name;
 - a `ServiceProxy` per Service port listens on a free port and forwards each connection to one
   *ready* pod the Service selects (round robin), or refuses it while none is ready, as kube-proxy
   (or a headless Service's DNS) sends traffic to ready endpoints only;
@@ -37,6 +39,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV_SERVER_PORT = "RLJOB_ENV_PORT"  # rljob_operator.names.ENV_ENVIRONMENT_PORT
+ENV_ENDPOINT_PORT = "RLJOB_ENDPOINT_PORT"  # rljob_trainer.config.ENV_ENDPOINT_PORT
+#: The variables holding a port a local pod's process binds: each gets this machine's port for it.
+PORT_ENVS = (ENV_SERVER_PORT, ENV_ENDPOINT_PORT)
 _LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
 _SERVICE_URL = re.compile(
     rf"http://(?:(?P<pod>{_LABEL})\.)?(?P<svc>{_LABEL})\.(?P<ns>{_LABEL})\.svc"

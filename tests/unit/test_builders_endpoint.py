@@ -101,8 +101,12 @@ def test_trainer_pod_0_serves_on_port_endpoint_8000() -> None:
     ports = {p["name"]: p for p in objs.pods[0]["spec"]["containers"][0]["ports"]}
     assert ports["endpoint"] == {"name": "endpoint", "containerPort": 8000, "protocol": "TCP"}
     assert tc.ENDPOINT_PORT == 8000
+    # The driver listens on the port its container declares, told in its environment.
+    port = _env_var(objs.pods[0]["spec"]["containers"][0], tc.ENV_ENDPOINT_PORT)
+    assert port == {"name": "RLJOB_ENDPOINT_PORT", "value": "8000"}
     for pod in objs.pods[1:]:
         assert "endpoint" not in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert _env_var(pod["spec"]["containers"][0], tc.ENV_ENDPOINT_PORT) is None
 
 
 def test_the_trainer_config_names_the_endpoint_and_the_mode() -> None:

@@ -69,6 +69,9 @@ def test_the_driver_serves_the_endpoint_and_trains_on_the_engines_tokens(tmp_pat
     url, httpd = serve(env)
     port = _free_port()
     cfg = _cfg(url, port)
+    # The port trainer pod 0's container declares (RLJOB_ENDPOINT_PORT) wins over trainer.json's.
+    monkeypatch.setenv(config.ENV_ENDPOINT_PORT, str(port))
+    cfg = cfg.model_copy(update={"endpoint": cfg.endpoint.model_copy(update={"port": 9})})
     d = driver.GRPODriver(cfg, runtimes.LocalRuntime(cfg), metrics_path=tmp_path / "m.jsonl")
     generated: list[Any] = []
     trained: list[Any] = []

@@ -40,6 +40,11 @@ ENV_RAY_ACCELERATOR = "RLJOB_RAY_ACCELERATOR"
 ENV_ENDPOINT_TOKEN = "RLJOB_ENDPOINT_TOKEN"
 # The endpoint's port on trainer pod 0 (its container port `endpoint`).
 ENDPOINT_PORT = 8000
+# The port the endpoint listens on, when set (trainer pod 0: the container port `endpoint`, from the
+# operator): it wins over trainer.json's `endpoint.port`, as $RLJOB_ENV_PORT is an environment
+# server's, so whatever runs the pod decides the port its process binds (a test kubelet running pods
+# as processes on one host gives each its own).
+ENV_ENDPOINT_PORT = "RLJOB_ENDPOINT_PORT"
 
 ALL_ENV_VARS: tuple[str, ...] = (
     ENV_CONFIG_PATH,

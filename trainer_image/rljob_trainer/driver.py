@@ -172,8 +172,11 @@ class GRPODriver:
                 if endpoint_token is not None
                 else os.environ.get(config_mod.ENV_ENDPOINT_TOKEN)
             )
+            settings = cfg.endpoint
+            if os.environ.get(config_mod.ENV_ENDPOINT_PORT):  # the pod's container port wins
+                settings = settings.model_copy(update={"port": int(os.environ[config_mod.ENV_ENDPOINT_PORT])})
             self.endpoint = endpoint_mod.Endpoint(
-                cfg.endpoint,
+                settings,
                 token or "",
                 modeling.load_tokenizer(cfg.model),  # its own: the endpoint's HTTP threads use it
                 model_name=cfg.endpoint.model_name or cfg.model.name,

@@ -84,8 +84,9 @@ def _from_secret(job: JobRef, env_name: str) -> dict[str, Any]:
 
 
 def trainer_env_vars(job: JobRef) -> list[dict[str, Any]]:
-    """Trainer pod 0's: the token the driver requires on every call (never the value in the pod spec)."""
-    return [_from_secret(job, tc.ENV_ENDPOINT_TOKEN)]
+    """Trainer pod 0's: the port to listen on (the container port `endpoint`) and the token the driver
+    requires on every call (never the value in the pod spec)."""
+    return [{"name": tc.ENV_ENDPOINT_PORT, "value": str(PORT)}, _from_secret(job, tc.ENV_ENDPOINT_TOKEN)]
 
 
 def environment_env_vars(job: JobRef) -> list[dict[str, Any]]:
