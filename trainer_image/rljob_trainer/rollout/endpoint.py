@@ -406,20 +406,9 @@ class Endpoint:
             tuple((c.message, c.token_ids) for c in choices),
         )
         ep.record(self._turns(call, outs, choices, self.clock() - t0), chat=record)
-        envelope = {"response_id": rid, "created": int(self.wall_clock()), "model": self.model_name}
-        if req.stream:
-            with self._tok_lock:
-                stream = openai_wire.chat_chunks(
-                    req,
-                    choices,
-                    prompt_ids,
-                    **envelope,
-                    token_text=self._token_text_locked,
-                    text_of=self._text,
-                )
-            return 200, stream, self._headers(ep)
-        body = openai_wire.chat_response(req, choices, prompt_ids, **envelope, token_text=self._token_text)
-        return 200, body, self._headers(ep)
+        return self._answer(
+            req, choices, prompt_ids, rid, ep, openai_wire.chat_response, openai_wire.chat_chunks
+        )
 
     def _completion(self, data: Any, ep: EndpointEpisode) -> tuple[int, Answer, dict[str, str]]:
         req = openai_wire.parse_completion_request(data)
@@ -442,26 +431,46 @@ class Endpoint:
                 req.prompt, tuple(prompt_ids), tuple((c.text, c.token_ids) for c in choices)
             )
         ep.record(self._turns(call, outs, choices, self.clock() - t0), completion=record)
-        envelope = {
-            "response_id": f"cmpl-{secrets.token_hex(12)}",
-            "created": int(self.wall_clock()),
-            "model": self.model_name,
-        }
-        if req.stream:
-            with self._tok_lock:
-                stream = openai_wire.completion_chunks(
-                    req,
-                    choices,
-                    prompt_ids,
-                    **envelope,
-                    token_text=self._token_text_locked,
-                    text_of=self._text,
-                )
-            return 200, stream, self._headers(ep)
-        body = openai_wire.completion_response(
-            req, choices, prompt_ids, **envelope, token_text=self._token_text
+        rid = f"cmpl-{secrets.token_hex(12)}"
+        return self._answer(
+            req, choices, prompt_ids, rid, ep, openai_wire.completion_response, openai_wire.completion_chunks
         )
-        return 200, body, self._headers(ep)
+
+    def _answer(
+        self,
+        req: Any,
+        choices: list[openai_wire.Choice],
+        prompt_ids: list[int],
+        response_id: str,
+        ep: EndpointEpisode,
+        whole: Callable[..., dict[str, Any]],
+        chunks: Callable[..., openai_wire.EventStream],
+    ) -> tuple[int, Answer, dict[str, str]]:
+        """A recorded call's answer: `whole(...)`, or with `stream` the same cut into `chunks(...)`."""
+        created, model = int(self.wall_clock()), self.model_name
+        if not req.stream:
+            body = whole(
+                req,
+                choices,
+                prompt_ids,
+                response_id=response_id,
+                created=created,
+                model=model,
+                token_text=self._token_text,
+            )
+            return 200, body, self._headers(ep)
+        with self._tok_lock:  # the tokenizer serves one HTTP thread at a time; the chunks decode a lot
+            stream = chunks(
+                req,
+                choices,
+                prompt_ids,
+                response_id=response_id,
+                created=created,
+                model=model,
+                token_text=self._token_text_locked,
+                text_of=self._text,
+            )
+        return 200, stream, self._headers(ep)
 
 
 def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
