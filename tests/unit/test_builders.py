@@ -366,6 +366,34 @@ def test_cpu_pods_advertise_no_accelerator() -> None:
     assert cfg.distributed.accelerator is None and cfg.distributed.trainer_pod_ranks == [1, 1]
 
 
+@pytest.mark.parametrize(
+    ("cpu", "per_node", "threads"), [(None, 1, 1), ("2", 1, 2), ("500m", 1, 1), ("4", 2, 2), ("3", 2, 1)]
+)
+def test_cpu_ranks_train_on_their_share_of_the_pods_cpus(cpu: str | None, per_node: int, threads: int) -> None:
+    # Ray reserves one CPU per rank actor and sets OMP_NUM_THREADS from it: the rank's torch threads
+    # come from the pod's CPUs (default 1 on cpu jobs), split among the pod's ranks.
+    spec = make_spec(
+        **{
+            "resources.accelerator": {"kind": "cpu"},
+            "resources.acceleratorsPerNode": per_node,
+            "resources.totalAccelerators": 2,
+            "resources.static": {"trainerAccelerators": 2, "rolloutAccelerators": 0},
+            "resources.rollout": {},
+            **({"resources.cpu": cpu} if cpu else {}),
+        }
+    )
+    plan = api.PlanStatus(trainer_accelerators=2, rollout_engines=0, shared_engines=1)
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert cfg.distributed.torch_threads_per_rank == threads
+
+
+def test_accelerator_ranks_keep_torchs_own_thread_count() -> None:
+    spec = make_spec(**{"resources.cpu": "8"})
+    plan = api.PlanStatus(trainer_accelerators=4, rollout_engines=1, shared_engines=0)
+    cfg = builders.render_trainer_config(spec, plan, {"model_type": "llama"})
+    assert cfg.distributed.accelerator is not None and cfg.distributed.torch_threads_per_rank is None
+
+
 def test_grpo_updates_data_formats_hub_and_chat_template_reach_the_trainer() -> None:
     spec = make_spec(
         grpo={"miniBatchesPerStep": 4, "ppoEpochs": 2},
