@@ -19,9 +19,11 @@ def test_every_example_renders_all_its_objects(path: Path, capsys: pytest.Captur
     assert commands.main(["render", "-f", str(path), "-o", "json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["kind"] == "List"
-    # The job's own objects first; an example's environments add their fence, Services and pods.
-    env = f"{api.load_manifests(path.read_text())[0]['metadata']['name']}-env"
-    kinds = [o["kind"] for o in listing["items"] if not o["metadata"]["name"].startswith(env)]
+    # The job's own objects first; an example's environments add their fence, Services and pods, and
+    # one of mode agent the endpoint's token Secret.
+    name = api.load_manifests(path.read_text())[0]["metadata"]["name"]
+    added = (f"{name}-env", f"{name}-endpoint")
+    kinds = [o["kind"] for o in listing["items"] if not o["metadata"]["name"].startswith(added)]
     assert kinds[:8] == [
         "ServiceAccount",
         "Role",
