@@ -369,7 +369,9 @@ def test_cpu_pods_advertise_no_accelerator() -> None:
 @pytest.mark.parametrize(
     ("cpu", "per_node", "threads"), [(None, 1, 1), ("2", 1, 2), ("500m", 1, 1), ("4", 2, 2), ("3", 2, 1)]
 )
-def test_cpu_ranks_train_on_their_share_of_the_pods_cpus(cpu: str | None, per_node: int, threads: int) -> None:
+def test_cpu_ranks_train_on_their_share_of_the_pods_cpus(
+    cpu: str | None, per_node: int, threads: int
+) -> None:
     # Ray reserves one CPU per rank actor and sets OMP_NUM_THREADS from it: the rank's torch threads
     # come from the pod's CPUs (default 1 on cpu jobs), split among the pod's ranks.
     spec = make_spec(
