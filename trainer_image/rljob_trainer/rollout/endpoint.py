@@ -447,28 +447,13 @@ class Endpoint:
         chunks: Callable[..., openai_wire.EventStream],
     ) -> tuple[int, Answer, dict[str, str]]:
         """A recorded call's answer: `whole(...)`, or with `stream` the same cut into `chunks(...)`."""
-        created, model = int(self.wall_clock()), self.model_name
+        ids = {"response_id": response_id, "created": int(self.wall_clock()), "model": self.model_name}
         if not req.stream:
-            body = whole(
-                req,
-                choices,
-                prompt_ids,
-                response_id=response_id,
-                created=created,
-                model=model,
-                token_text=self._token_text,
-            )
+            body = whole(req, choices, prompt_ids, token_text=self._token_text, **ids)
             return 200, body, self._headers(ep)
         with self._tok_lock:  # the tokenizer serves one HTTP thread at a time; the chunks decode a lot
             stream = chunks(
-                req,
-                choices,
-                prompt_ids,
-                response_id=response_id,
-                created=created,
-                model=model,
-                token_text=self._token_text_locked,
-                text_of=self._text,
+                req, choices, prompt_ids, token_text=self._token_text_locked, text_of=self._text, **ids
             )
         return 200, stream, self._headers(ep)
 
