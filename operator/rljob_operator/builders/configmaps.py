@@ -478,8 +478,8 @@ def render_trainer_config(
 def cpu_rank_threads(spec: api.RLJobSpec, ranks_per_pod: int) -> int | None:
     """On cpu pools, each training rank's torch threads: its share of the trainer pod's CPUs (at least
     one); None elsewhere (an accelerator does the work). Ray reserves one CPU for a rank actor and sets
-    its OMP_NUM_THREADS to that, so without this a rank of a 2-CPU pod trained on one core (measured:
-    a SmolLM2 step 50-54 s against 30-35 s on both cores)."""
+    its OMP_NUM_THREADS to that, so without this a rank of a 2-CPU pod trained on one core (SmolLM2
+    on the local cluster: a step 50-54 s on one core, 45-51 s on two)."""
     cpu = spec.resources.pod_cpu
     if spec.resources.accelerator.kind != "cpu" or cpu is None:
         return None
