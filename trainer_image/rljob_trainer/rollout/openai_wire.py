@@ -732,12 +732,13 @@ def stream_pieces(token_ids: Sequence[int], text: str, text_of: Callable[[Sequen
     whole text in the first piece: what a client reassembles is always the answer's text."""
     pieces: list[str] = []
     prefix_at = read_at = 0
+    before = text_of(token_ids[prefix_at:read_at])  # decoded again only when the window moves
     for i in range(len(token_ids)):
-        before = text_of(token_ids[prefix_at:read_at])
         after = text_of(token_ids[prefix_at : i + 1])
         if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
             pieces.append(after[len(before) :])
             prefix_at, read_at = max(0, i + 1 - _DETOKENIZE_WINDOW), i + 1
+            before = text_of(token_ids[prefix_at:read_at])
         else:
             pieces.append("")
     if "".join(pieces) != text:
