@@ -5,10 +5,12 @@ weight-transfer requests built with vLLM's own classes. See conftest.py."""
 from __future__ import annotations
 
 import inspect
+import os
 import typing
 from typing import Any
 
 import pytest
+import torch
 from spy import SignatureSpy
 from trainer_configs import toy_config
 
@@ -202,13 +204,32 @@ def test_sleep_and_wake_follow_vllms_rl_order(spy: SignatureSpy) -> None:
     assert spy.called("reset_prefix_cache") == [{}]
 
 
-def test_the_collective_rpc_fallback_sends_a_callable_with_a_timeout(spy: SignatureSpy) -> None:
+def test_the_collective_rpc_fallback_sends_a_weights_files_path_with_a_timeout(spy: SignatureSpy) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    embed = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    weights = {"embed.weight": embed, "lm_head.weight": embed, "norm.weight": torch.ones(3)}
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    class Worker:  # vLLM's Worker.reload_weights forwards to its model runner's: bound to that signature
+        def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+            bound = inspect.signature(GPUModelRunner.reload_weights).bind(None, *args, **kwargs)
+            loaded.extend(bound.arguments["weights_iterator"])
+
+    def run_on_workers(arguments: dict[str, Any]) -> list[int]:
+        return [arguments["method"](Worker())]  # what each worker process does with the callable
+
+    spy.results["collective_rpc"] = run_on_workers
     engine = _engine(_cfg(), spy, colocated=False)
-    engine.update_weights({"w": 1.0}, version=4)
+    assert engine.update_weights(weights, version=4) == 3
     (call,) = spy.called("collective_rpc")
-    reload = call["method"]  # the weights travel inside the callable: msgpack would list a tensor in args
+    reload = call["method"]  # only the file's path is bound: the tensors never cross vLLM's channel
     assert reload.func is vllm_engine._reload_weights_on_worker and call["timeout"] == 30
-    assert reload.keywords == {"weights": [("w", 1.0)]} and not call.get("args")
+    assert set(reload.keywords) == {"path"} and not call.get("args")
+    assert not os.path.exists(reload.keywords["path"]), "the engine deletes the file once loaded"
+    got = dict(loaded)  # tied tensors (one storage) arrive as two tensors, each the trainer's values
+    assert sorted(got) == sorted(weights)
+    assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in weights.items())
     assert engine.weights_version == 4
 
 
@@ -283,7 +304,6 @@ def test_lora_adapters_are_added_listed_and_removed_with_vllms_lora_request(spy:
 def test_only_the_paths_whose_payload_vllm_cannot_msgpack_allow_pickle(monkeypatch: Any) -> None:
     """vLLM's engine-core channel refuses a torch.dtype or a class (what CUDA IPC handles carry) and a
     Python callable unless VLLM_ALLOW_INSECURE_SERIALIZATION is set; NCCL's update info is plain."""
-    import torch
     from vllm.v1.serial_utils import MsgpackEncoder
 
     from rljob_trainer.weights import weight_sync as ws
@@ -361,7 +381,7 @@ def test_an_interrupt_aborts_what_runs_through_vllms_pause_and_resume_serves_the
     held = engine.generate([[5, 6]], sampling)
     assert [(o.token_ids, o.finish_reason) for o in held] == [((), base.ABORTED)]
     assert len(spy.called("generate")) == 2
-    engine.update_weights({"w": 1.0}, version=1)  # allowed while paused
+    engine.update_weights({"w": torch.ones(2)}, version=1)  # allowed while paused
     spy.results["generate"] = _request_output
     engine.resume()
     assert spy.called("resume_generation") == [{}]

@@ -151,7 +151,7 @@ def test_each_adapter_version_gets_a_new_id_and_a_retired_one_is_deleted() -> No
     cfg = _cfg(LORAS[0])
     sent = _sent_adapter(_trained_policy(cfg))
     store = lora_adapter.AdapterStore("dedicated-0")
-    assert store.root.parent == lora_adapter.default_root()
+    assert store.root.parent == lora_adapter.scratch_root()
     first, second = store.write(sent, cfg.model, 1), store.write(sent, cfg.model, 2)
     assert (first.lora_int_id, second.lora_int_id) == (1, 2) and first.name != second.name
     assert first.path != second.path and first.path.parent == store.root

@@ -111,8 +111,9 @@ class AdapterVersion:
     weights_version: int
 
 
-def default_root() -> Path:
-    """/dev/shm when it is there (tmpfs), else the temp dir."""
+def scratch_root() -> Path:
+    """/dev/shm when it is there (tmpfs), else the temp dir: where an engine writes what it hands its
+    own vLLM processes (adapter directories here, full-weight files in `vllm_engine`)."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -124,7 +125,7 @@ class AdapterStore:
 
     def __init__(self, engine_name: str, *, root: str | Path | None = None) -> None:
         safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in engine_name)
-        self.root = Path(tempfile.mkdtemp(prefix=f"rljob-lora-{safe}-", dir=root or default_root()))
+        self.root = Path(tempfile.mkdtemp(prefix=f"rljob-lora-{safe}-", dir=root or scratch_root()))
         self._engine = safe
         self._next_id = 1  # vLLM requires lora_int_id >= 1
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
