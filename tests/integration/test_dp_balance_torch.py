@@ -5,6 +5,7 @@ sample alone (only with use_cache=False). Gradient invariance under DP balance, 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,46 @@ def test_packed_log_probs_equal_each_sample_alone(attn_implementation: str) -> N
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class _AllLogits(torch.nn.Module):
+    """A causal LM whose forward takes no logits_to_keep (it always returns every position's logits)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool) -> Any:
+        return self.inner(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["logits_to_keep", "every_position"])
+def test_skipped_positions_give_the_same_log_probs_entropies_and_gradients(wrapped: bool) -> None:
+    # The trainer skips each sample's prompt: only the response positions' logits are computed.
+    model = tiny_model("sdpa")
+    model.train()
+    runner: torch.nn.Module = _AllLogits(model) if wrapped else model
+    gen = torch.Generator().manual_seed(3)
+    samples = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (9, 17, 4, 12)]
+    skip = [5, 0, 3, 11]
+    packed = packing.pack_sequences(samples)
+    full, full_ent = packing.packed_log_probs_and_entropy(model, packed, temperature=0.7, with_entropy=True)
+    sum(lp[s:].sum() for lp, s in zip(full, skip, strict=True)).backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    kept, kept_ent = packing.packed_log_probs_and_entropy(
+        runner, packed, temperature=0.7, with_entropy=True, skip=skip
+    )
+    assert [len(k) for k in kept] == [n - 1 - s for n, s in zip((9, 17, 4, 12), skip, strict=True)]
+    assert kept_ent is not None and full_ent is not None
+    for a, b, ea, eb, s in zip(kept, full, kept_ent, full_ent, skip, strict=True):
+        torch.testing.assert_close(a, b[s:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ea, eb[s:], atol=1e-5, rtol=1e-5)
+    sum(lp.sum() for lp in kept).backward()
+    for p, want in zip(model.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="leaves out more"):
+        packing.packed_log_probs_and_entropy(model, packed, skip=[9, 0, 0, 0])
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -325,30 +325,30 @@ class TrainingRank:
         torch.is_grad_enabled()), and with `with_entropy` the entropies [R_i] (no grad)."""
         g = self.cfg.grpo
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+        # Log-prob of token t sits at index t-1: the response starts at index len(prompt) - 1.
+        cut = [len(s.prompt_ids) - 1 for s in samples]
         if self.cfg.batching.packed:
             side_keys = sorted(samples[0].side) if samples else []
             side = {k: [s.side[k] for s in samples] for k in side_keys}
             packed = packing.pack_sequences(seqs, side or None, device=self.device)
-            per_seq, ents = packing.packed_log_probs_and_entropy(
+            return packing.packed_log_probs_and_entropy(  # the prompts' logits are never computed
                 model,
                 packed,
                 temperature=g.temperature,
                 top_p=g.top_p,
                 forward_side_keys=side_keys,
                 with_entropy=with_entropy,
+                skip=cut,
             )
-        else:
-            per_seq, ents = padded_token_log_probs(
-                model,
-                seqs,
-                pad_id=self._pad_id,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                with_entropy=with_entropy,
-                device=self.device,
-            )
-        # Log-prob of token t sits at index t-1: the response starts at index len(prompt) - 1.
-        cut = [len(s.prompt_ids) - 1 for s in samples]
+        per_seq, ents = padded_token_log_probs(
+            model,
+            seqs,
+            pad_id=self._pad_id,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            with_entropy=with_entropy,
+            device=self.device,
+        )
         lps = [lp[c:] for lp, c in zip(per_seq, cut, strict=True)]
         return lps, ([e[c:] for e, c in zip(ents, cut, strict=True)] if ents is not None else None)
 
