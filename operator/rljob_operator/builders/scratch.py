@@ -8,8 +8,9 @@ does), so everything they write goes to a volume:
   - `/var/cache/rljob`, HOME and the caches (HF_HOME, XDG_CACHE_HOME: hub downloads of the model
     and the data, Triton and vLLM caches): the weights once more when they come from the hub, 8 GiB
     more when the data does, plus 2 GiB;
-  - `/dev/shm` (memory-backed; Ray's object store, NCCL): the pod's memory when it sets one (the
-    kubelet caps the tmpfs there anyway), else twice the weights plus 2 GiB;
+  - `/dev/shm` (memory-backed; Ray's object store, NCCL, the weights file a vLLM engine on CPU
+    loads at each sync): the pod's memory when it sets one (the kubelet caps the tmpfs there
+    anyway), else twice the weights plus 2 GiB;
   - the default checkpoint emptyDir (`spec.checkpoint.volume.emptyDir.sizeLimit` wins when set):
     `KEEP_LAST` checkpoints (trainable weights with their optimizer state, 16 bytes a parameter)
     and one more Hugging Face export than that, plus 2 GiB.
