@@ -29,11 +29,11 @@ rendered into the trainer's config as the operator does (`rljob_operator.decide.
    and SmolLM2-360M's geometries (with --model-dir: that model only): new weights (the engine's moved
    by N(0, 0.02) noise, as `modeling.iter_engine_weights` hands them to an engine) into a running vLLM
    engine through `VLLMEngine.update_weights`, the fallback every engine takes on a platform without
-   vLLM's weight-transfer backends (the weights inside a `functools.partial` through `collective_rpc`
-   into `Worker.reload_weights`); beside it, alternated, the transformers engine's update (an
-   in-process copy into its parameters: what applying the weights costs with no process boundary)
-   and a torch.save/torch.load round trip of the same tensors in memory (what crossing one process
-   boundary by serialising costs at least). Medians of 3 (1 with --quick). The engine's log-probs
+   vLLM's weight-transfer backends (a safetensors file on tmpfs, its path through `collective_rpc`,
+   loaded memory-mapped by `Worker.reload_weights`); beside it, alternated, the transformers
+   engine's update (an in-process copy into its parameters: what applying the weights costs with no
+   process boundary) and a torch.save/torch.load round trip of the same tensors in memory (what
+   crossing one process boundary by serialising costs). Medians of 3 (1 with --quick). The engine's log-probs
    of a sampled answer against the new weights' (the in-process model's) are printed after the
    syncs and, for scale, before the first one: a sync that did not arrive cannot read as fast.
 
@@ -299,7 +299,7 @@ class SyncFigures:
     parameters: int
     weight_bytes: int  # the model's weights in bfloat16, each parameter once
     sent_bytes: int  # what the trainer's pairs hold (a tied embedding twice: see `new_weights`)
-    vllm_s: float  # VLLMEngine.update_weights (collective_rpc fallback), median
+    vllm_s: float  # VLLMEngine.update_weights (the tmpfs-file fallback), median
     copy_s: float  # TransformersEngine.update_weights (in-process copy), median
     save_load_s: float  # torch.save + torch.load of the same pairs in memory, median
     logprob_max_abs_diff: float  # engine vs in-process model after the sync (bfloat16)
