@@ -538,18 +538,18 @@ def run_operator_as_service_account(
     with operator_process(argv, env, log) as proc:
         try:
             cluster.kubectl("apply", *job_ns_flag, "-f", str(EXAMPLE))
-            pods = wait_for(
-                "the operator to create tiny-cpu's pods",
-                lambda: (
-                    cluster.kubectl(
-                        "get", "pods", *job_ns_flag, "-l", "rljob.io/job=tiny-cpu", "-o", "name", check=False
-                    ).stdout.split()
-                    if proc.poll() is None
-                    else ["operator exited"]
-                ),
-                60,
-                interval_s=0.5,
-            )
+
+            def both_pods() -> list[str]:
+                """The job's pods once both are there: the operator creates them one call each, and a
+                CI run read the list between the two."""
+                if proc.poll() is not None:
+                    return ["operator exited"]
+                got = cluster.kubectl(
+                    "get", "pods", *job_ns_flag, "-l", "rljob.io/job=tiny-cpu", "-o", "name", check=False
+                ).stdout.split()
+                return got if len(got) >= 2 else []
+
+            pods = wait_for("the operator to create tiny-cpu's pods", both_pods, 60, interval_s=0.5)
             assert sorted(pods) == ["pod/tiny-cpu-trainer-0", "pod/tiny-cpu-trainer-1"]
             for obj in (
                 "serviceaccount/tiny-cpu",

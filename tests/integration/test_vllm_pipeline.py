@@ -15,7 +15,6 @@ engines whose EngineCore process is killed mid-run.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,39 +73,17 @@ def vllm_driver(ray_node: None) -> Iterator[driver.GRPODriver]:
             ray.kill(rank)
 
 
-def _kill_engine_core(d: driver.GRPODriver, name: str, wait_s: float = 90.0) -> int:
-    """SIGKILL the EngineCore process of engine `name` (a child of its Ray actor); its pid. The
-    process is looked for up to `wait_s`: on two loaded cores an engine the driver replaced is still
-    starting its EngineCore when a step returns (a CI run found none, once)."""
-    where = d.rt.get(d.rt.where(d.engines[name].handle))
-    deadline = time.monotonic() + wait_s
-    while True:
-        children = psutil.Process(where["pid"]).children(recursive=True)
-        cores = [p for p in children if _is_live_engine_core(p)]
-        if cores or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+def _kill_engine_core(d: driver.GRPODriver, name: str) -> int:
+    """SIGKILL the EngineCore process of engine `name` (a child of its Ray actor), as vLLM's own
+    process manager names it (not by its process title: a CI run found one still titled `python`);
+    its pid."""
+    pids = d.rt.get(d.rt.submit(d.engines[name].handle, "engine_core_pids"))
     lost = [r.lost_rollout_pods for r in d.state.history]
-    assert len(cores) == 1, (
-        f"{name}: expected one EngineCore under actor pid {where['pid']}, found {cores} among "
-        f"{[_describe(p) for p in children]}; lost pods per step so far: {lost}"
-    )
-    cores[0].kill()
-    return cores[0].pid
-
-
-def _is_live_engine_core(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE and p.name().startswith("VLLM::EngineCor")
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _describe(p: psutil.Process) -> str:
-    try:
-        return f"{p.pid}:{p.name()}:{p.status()}"
-    except psutil.NoSuchProcess:
-        return f"{p.pid}:gone"
+    assert len(pids) == 1, f"{name}: expected one EngineCore, vLLM has {pids}; lost pods per step: {lost}"
+    core = psutil.Process(pids[0])
+    assert core.status() != psutil.STATUS_ZOMBIE, f"{name}: its EngineCore {pids[0]} already exited"
+    core.kill()
+    return pids[0]
 
 
 def _served(d: driver.GRPODriver, name: str) -> int:

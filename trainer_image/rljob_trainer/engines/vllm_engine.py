@@ -728,6 +728,14 @@ class VLLMEngine(base.RolloutEngine):
         """How often vLLM started and how long the last start took (a wake by restart is a start)."""
         return {"starts": self.starts, "last_start_s": self.last_start_s}
 
+    def engine_core_pids(self) -> list[int]:
+        """The pids of vLLM's engine-core processes, from vLLM's own process manager (none while
+        stopped). Their process title is not a reliable handle: a CI run found an EngineCore that
+        still read `python`."""
+        core = getattr(self._llm, "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
+
     def shutdown(self) -> None:
         """Stop vLLM's processes (the actor is going away)."""
         self._stop()
