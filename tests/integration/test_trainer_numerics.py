@@ -122,7 +122,11 @@ def test_held_out_evaluation_every_n_steps_greedy_by_default() -> None:
     assert all(r["eval/samples"] == 6 and "eval/reward/mathAccuracy" in r for r in evals)
     assert all(0.0 <= r["eval/mean_reward"] <= 1.0 for r in evals)
     reports = {r.step: r for r in d.state.history}
-    assert reports[2].eval_mean_reward == evals[1]["eval/mean_reward"] and reports[1].eval_mean_reward is None
+    # the first report carries the evaluation before training (step 0 has no report of its own), so
+    # the EVAL column shows from step 1; each later evaluation comes in its own step's report, once
+    assert (reports[1].eval_mean_reward, reports[1].eval_step) == (evals[0]["eval/mean_reward"], 0)
+    assert (reports[2].eval_mean_reward, reports[2].eval_step) == (evals[1]["eval/mean_reward"], 2)
+    assert (reports[3].eval_mean_reward, reports[3].eval_step) == (None, None)
 
 
 def test_held_out_evaluation_before_training_can_be_turned_off() -> None:

@@ -115,9 +115,13 @@ def test_the_eval_reward_is_plotted_at_the_steps_that_evaluated() -> None:
         for s in range(1, 9)
     ]
     reports[2] = reports[2].model_copy(update={"loss": None})  # a skipped step: no finite loss
+    # step 1's report carries the evaluation before training: plotted at step 0, not 1
+    reports[0] = reports[0].model_copy(update={"eval_mean_reward": 0.05, "eval_step": 0})
     view = console.build_status_view(RLJOB, reports, [])
     series = view["series"]["eval_mean_reward"]
-    assert [x for x in series if x == x] == pytest.approx([0.4, 0.8, 1.2, 1.6])
+    assert [x for x in series if x == x] == pytest.approx([0.05, 0.4, 0.8, 1.2, 1.6])
+    evaluated_at = [s for s, x in zip(view["series"]["eval_step"], series, strict=True) if x == x]
+    assert evaluated_at == [0, 2, 4, 6, 8]
     # (one render per process, as the CLI does: plotext 5.3 keeps subplot state across figures)
     text = console.render_status(view, now=NOW, width=80)
     assert "eval" in text and "train" in text  # both curves in the reward panel, with a legend

@@ -137,6 +137,7 @@ def test_sync_report_json_is_camel_case():
         "lostRolloutPods",
         "stalenessMax",
         "evalMeanReward",
+        "evalStep",
         "droppedPrompts",
         "trackerErrors",
         "enginePlatform",

@@ -207,6 +207,7 @@ class GRPODriver:
         self.tracker = tracking.Trackers.from_config(cfg, run_name=sink.job_name if sink else None)
         self.skip_guard = train_metrics.SkipGuard(cfg.grpo.max_skipped_steps)
         self.evaluator = evaluation.Evaluator.from_config(cfg, self.tokenizer) if cfg.evaluation else None
+        self._unreported_baseline_eval: float | None = None  # `_evaluate_before_training`'s, until reported
         # spec.reward.judge: a served model's scores, on engines of its own (started in setup).
         self.judge = judge.Judge(cfg, runtime) if cfg.judge else None
         self._judge_metrics: dict[str, float] = {}
@@ -821,6 +822,12 @@ class GRPODriver:
 
     def _sync_point(self, metrics: dict[str, Any], gen_s: float, train_s: float) -> None:
         load = self.dispatcher.close_interval()
+        eval_reward, eval_step = metrics.get("eval/mean_reward"), metrics["step"]
+        if eval_reward is None and self._unreported_baseline_eval is not None:
+            # the evaluation before training has no report of its own: the first one carries it, so
+            # `kubectl get rljobs` shows EVAL from step 1 instead of from the first `everySteps`
+            eval_reward, eval_step = self._unreported_baseline_eval, 0
+        self._unreported_baseline_eval = None
         report = telemetry.SyncReport(
             step=metrics["step"],
             time=self.wall_clock(),
@@ -840,7 +847,8 @@ class GRPODriver:
             released_rollout_pods=sorted(self._released_pods),
             lost_rollout_pods=sorted(self._lost_pods),
             staleness_max=metrics["rollout/staleness_max"],
-            eval_mean_reward=metrics.get("eval/mean_reward"),
+            eval_mean_reward=eval_reward,
+            eval_step=eval_step if eval_reward is not None else None,
             dropped_prompts=self.dropped_prompts,
             tracker_errors=self.tracker.errors,
             checkpoint_fallback=self._resume_note,
@@ -926,6 +934,7 @@ class GRPODriver:
         if self.evaluator is None:
             raise RuntimeError("evaluation is not configured")
         metrics: dict[str, Any] = {"step": 0, **self.evaluator.run(self, 0)}
+        self._unreported_baseline_eval = metrics.get("eval/mean_reward")
         self.tracker.log_step(metrics, None)
         if self.metrics_path:
             with open(self.metrics_path, "a") as f:

@@ -22,8 +22,9 @@ from typing import Any
 from rljob_operator import api, names
 from rljob_trainer.outputs import telemetry
 
-# Curves drawn into another plot's panel, with a legend: the held-out reward beside the training one.
-OVERLAYS: dict[str, tuple[str, str]] = {"mean_reward": ("eval_mean_reward", "eval")}
+# Curves drawn into another plot's panel, with a legend: the held-out reward beside the training one,
+# at the steps it scored (series key, label, key of its steps).
+OVERLAYS: dict[str, tuple[str, str, str]] = {"mean_reward": ("eval_mean_reward", "eval", "eval_step")}
 PLOTS: tuple[tuple[str, str], ...] = (
     ("reward", "mean_reward"),
     ("loss", "loss"),
@@ -55,6 +56,7 @@ def _series(reports: Sequence[telemetry.SyncReport]) -> dict[str, list[float]]:
         "step": [float(r.step) for r in reports],
         "mean_reward": [_value(r.mean_reward) for r in reports],
         "eval_mean_reward": [_value(r.eval_mean_reward) for r in reports],
+        "eval_step": [float(r.step if r.eval_step is None else r.eval_step) for r in reports],
         "loss": [_value(r.loss) for r in reports],
         "tokens_per_s": [r.tokens_per_s for r in reports],
         "engines_awake": [float(r.shared_engines_awake + r.dedicated_engines) for r in reports],
@@ -138,7 +140,7 @@ def render_plots(series: Mapping[str, Sequence[float]], *, width: int, height: i
         plt.subplot(i // 2 + 1, i % 2 + 1)
         overlay = OVERLAYS.get(key)
         # NaN marks a step without a value (a loss that was not finite, no evaluation at that step)
-        extra = _points(steps, series[overlay[0]]) if overlay else []
+        extra = _points(series[overlay[2]], series[overlay[0]]) if overlay else []
         label = {"label": "train"} if extra else {}
         plt.plot(*_columns(_points(steps, series[key])), marker="braille", **label)
         if overlay and extra:

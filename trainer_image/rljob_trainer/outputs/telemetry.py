@@ -132,7 +132,16 @@ class SyncReport(BaseModel):
     eval_mean_reward: float | None = Field(
         None,
         alias="evalMeanReward",
-        description="Mean reward of the held-out evaluation run after this step (spec.evaluation), if any.",
+        description=(
+            "Mean reward of a held-out evaluation (spec.evaluation) not reported before: the one run "
+            "after this step, or in the first report the one of the initial weights; None if neither."
+        ),
+    )
+    eval_step: int | None = Field(
+        None,
+        alias="evalStep",
+        ge=0,
+        description="The step whose weights evalMeanReward scored (0: before training); set with it.",
     )
     dropped_prompts: int = Field(
         0,
