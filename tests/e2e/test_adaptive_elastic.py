@@ -50,7 +50,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "adaptive-gpu-local.yaml"
 REWARD = REPO / "examples" / "rewards" / "length_phases.py"
 SHORT_FROM_STEP = int(os.environ.get("RLJOB_E2E_SHORT_FROM_STEP", "60"))
-MAX_STEPS = SHORT_FROM_STEP + 50
+# 80 steps of short answers: the policy needs three calm sync points in a row after the answers
+# shrink (about 20 steps in), and on a loaded machine calm and busy readings alternate for a while.
+MAX_STEPS = SHORT_FROM_STEP + 80
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
@@ -110,6 +112,27 @@ def step_s(reports: list[Any]) -> float | None:
     return statistics.median(gaps) if len(gaps) >= 3 else None
 
 
+def sync_point_table(reports: list[Any], manifest: dict[str, Any]) -> str:
+    """One line per report, as the policy reads it (its own `read_sync_point`): why it held or acted."""
+    from rljob_operator import api
+    from rljob_operator.decide import policy
+
+    spec = api.RLJobSpec.model_validate(manifest["spec"])
+    settings = policy.PolicySettings.from_adaptive_spec(spec.resources.adaptive)
+    lines = []
+    for r in reports:
+        reading = policy.read_sync_point(r, settings)
+        lines.append(
+            f"step {r.step} len={r.response_len_mean:.1f} "
+            f"engines={r.shared_engines_awake}+{r.dedicated_engines} "
+            f"interval={r.interval_s:.2f} gen={r.generation_s:.2f} train={r.training_s:.2f} "
+            f"wait={r.trainer_wait_s:.2f} wait%={reading.wait_fraction * 100:.0f} "
+            f"busy={reading.busy.per_engine:.1f} predicted wait%={reading.predicted_wait_fraction * 100:.0f} "
+            f"{'pressured' if reading.pressured else 'calm' if reading.calm else '-'}"
+        )
+    return "\n".join(lines)
+
+
 def live_pods(cluster: Any, namespace: str, job: str) -> dict[str, dict[str, Any]]:
     items = (cluster.get_json("pods", "-l", f"rljob.io/job={job}", namespace=namespace) or {}).get(
         "items", []
@@ -136,6 +159,11 @@ def test_adaptive_job_wakes_adds_survives_loss_and_drains(
     # (the example's, `make demo`'s) two cores shared with the other test worker never calmed after
     # the answers turned short, so RemoveDedicated never came in 600 s (CI, 2026-12-07, 2 runs of 3).
     manifest["spec"]["resources"].setdefault("rollout", {})["kind"] = "transformers"
+    # Micro-batches of 4, not the example's 8: twice the training passes, so once the answers are
+    # short a step's training clearly outlasts its generation. With 8, both took 0.1-0.25 s and the
+    # 0.1 s hiccups of a loaded machine decided each calm reading: calm points came and went, and in
+    # one CI run three in a row never came before maxSteps (the job Succeeded, RemoveDedicated never).
+    manifest["spec"]["batching"]["microBatchSize"] = 4
     reward = tmp_path / "reward.py"
     reward.write_text(
         REWARD.read_text().replace("SHORT_FROM_STEP = 50", f"SHORT_FROM_STEP = {SHORT_FROM_STEP}")
@@ -156,8 +184,12 @@ def test_adaptive_job_wakes_adds_survives_loss_and_drains(
         try:
             return wait_for(what, check, timeout_s, interval_s=0.5)
         except AssertionError as error:
-            table = json.dumps(rec.decisions, indent=1)
-            raise AssertionError(f"{error}\ndecisions: {table}\nstatus: {rec.status}\n{logs()}") from None
+            # The pods' logs first: what CI keeps of a long failure is its end, the table and decisions.
+            decisions = json.dumps(rec.decisions, indent=1)
+            table = sync_point_table([rec.reports[s] for s in sorted(rec.reports)], manifest)
+            raise AssertionError(
+                f"{error}\n{logs()}\nstatus: {rec.status}\ndecisions: {decisions}\nsync points:\n{table}"
+            ) from None
 
     try:
         with KopfRunner(args, timeout=60):
@@ -287,6 +319,8 @@ def test_adaptive_job_wakes_adds_survives_loss_and_drains(
             f"e2e-adaptive decision {d['time']} step {d['step']} {d['decision']}: {d['reason']}\n"
         )
     sys.stderr.write(f"e2e-adaptive {json.dumps(summary)}\n")
+    for line in sync_point_table(reports, manifest).splitlines():
+        sys.stderr.write(f"e2e-adaptive {line}\n")
     if os.environ.get("RLJOB_E2E_REPORT"):
         with open(os.environ["RLJOB_E2E_REPORT"], "a") as f:
             f.write(json.dumps({"job": "adaptive-elastic", **summary, "events": shown}) + "\n")
