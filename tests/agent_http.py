@@ -1,8 +1,8 @@
-"""An environment of mode agent for the endpoint's tests, served by rljob_env's stdlib HTTP server
-(`rljob_env.server`, on a thread): its `POST /episode` runs an agent written against OpenAI's wire
-format (plain `urllib`, as any OpenAI client sends it) on the base URL the trainer gives it, and
-answers the episode's reward. It keeps every answer the endpoint gave, by episode, for the tests to
-read.
+"""An environment of mode agent for the endpoint's tests (unit and integration), served by rljob_env's
+stdlib HTTP server (`rljob_env.server`, on a thread): its `POST /episode` runs an agent written
+against OpenAI's wire format (plain `urllib`, as any OpenAI client sends it) on the base URL the
+trainer gives it, and answers the episode's reward. It keeps every answer the endpoint gave, by
+episode, for the tests to read.
 
 The agent says what it is asked: its first call asks for 42, its second (the conversation sent back
 as it was answered, then the environment's next words) asks again; half a point per answer that says
@@ -40,10 +40,13 @@ class AgentEnvironment:
 
     name = "agent"
 
-    def __init__(self, token: str | None, api: str = "chat", calls: int = 2) -> None:
+    def __init__(
+        self, token: str | None, api: str = "chat", calls: int = 2, max_tokens: int | None = None
+    ) -> None:
         self.token = token
         self.api = api
         self.calls = calls
+        self.max_tokens = max_tokens  # the chat calls' `max_tokens`; None: not sent (the endpoint's)
         self.lock = threading.Lock()
         self.answers: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # episode id -> (status, body)
         self.requests: list[dict[str, Any]] = []  # the POST /episode bodies
@@ -65,6 +68,7 @@ class AgentEnvironment:
                         "logprobs": True,
                         "return_token_ids": True,
                         "temperature": 0.3,
+                        **({"max_tokens": self.max_tokens} if self.max_tokens is not None else {}),
                     },
                     self.token,
                 )
