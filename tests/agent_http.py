@@ -11,6 +11,7 @@ as it was answered, then the environment's next words) asks again; half a point 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -19,6 +20,13 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from rljob_env import server
+
+
+def free_port() -> int:
+    """A loopback port free now, for an endpoint the test starts on it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def call(url: str, body: dict[str, Any] | None, token: str | None) -> tuple[int, dict[str, Any]]:

@@ -8,12 +8,11 @@ an environment server of mode agent, runs its episodes through it, and trains on
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import agent_model
 import pytest
-from agent_http import AgentEnvironment, serve
+from agent_http import AgentEnvironment, free_port, serve
 from agent_runs import Recorder, agent_config, check_trained_tokens_are_the_engines, write_questions
 
 pytest.importorskip("torch")
@@ -121,9 +120,7 @@ def test_the_endpoint_serves_an_openai_agent_from_vllm(
     monkeypatch.setenv(config.ENV_ENDPOINT_TOKEN, token)
     env = AgentEnvironment(token, max_tokens=24)  # the second call's conversation fits the context
     url, httpd = serve(env)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     cfg = agent_config(
         model_dir,
         write_questions(tmp_path / "q.jsonl"),

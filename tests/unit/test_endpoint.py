@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
-from agent_http import AgentEnvironment, OpenAIClientEnvironment, call, serve
+from agent_http import AgentEnvironment, OpenAIClientEnvironment, call, free_port, serve
 from agent_scripted import TOK, make_pipeline
 
 from rljob_env import arithmetic_agent
@@ -28,12 +27,6 @@ TOKEN = "s3cret-token"
 
 def say(prompt_text: str) -> str:
     return "42" if "say 42" in prompt_text.lower() else "?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cfg(
@@ -78,7 +71,7 @@ def running() -> Iterator[Any]:
         env = env or AgentEnvironment(token, api=api)
         url, httpd = serve(env)
         stop.append(httpd.shutdown)
-        cfg = _cfg(url, _free_port(), **kw)
+        cfg = _cfg(url, free_port(), **kw)
         ep = _endpoint(cfg)
         ep.start()
         stop.append(ep.stop)
@@ -423,7 +416,7 @@ def test_an_episodes_calls_are_its_sample_with_the_engines_tokens_and_logprobs(r
 
 
 def test_an_environment_that_does_not_answer_fails_its_episode_named() -> None:
-    port = _free_port()
+    port = free_port()
     cfg = _cfg("http://127.0.0.1:9", port, timeout_s=1.0)
     ep = _endpoint(cfg)
     ep.start()

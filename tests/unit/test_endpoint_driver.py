@@ -5,14 +5,13 @@ log-prob is one the engine generated for that call (nothing decoded and encoded 
 
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_http import AgentEnvironment, serve
+from agent_http import AgentEnvironment, free_port, serve
 
 pytest.importorskip("torch")
 
@@ -22,12 +21,6 @@ from rljob_trainer.model import modeling
 pytestmark = [pytest.mark.torch]
 
 TOKEN = "driver-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cfg(env_url: str, port: int) -> config.TrainerConfig:
@@ -67,7 +60,7 @@ def test_the_driver_serves_the_endpoint_and_trains_on_the_engines_tokens(tmp_pat
     monkeypatch.setenv(config.ENV_ENDPOINT_TOKEN, TOKEN)
     env = AgentEnvironment(TOKEN)
     url, httpd = serve(env)
-    port = _free_port()
+    port = free_port()
     cfg = _cfg(url, port)
     # The port trainer pod 0's container declares (RLJOB_ENDPOINT_PORT) wins over trainer.json's.
     monkeypatch.setenv(config.ENV_ENDPOINT_PORT, str(port))
