@@ -6,7 +6,7 @@ The judge, its prompt template, maxScore and maxTokens come from an example's `s
 other templates to compare with it. Each item is a question of the example's training task and a
 student's answer, right for even items and off by a small amount for odd ones, written as the policy
 writes them ("The sum is N. <answer>N</answer>"). The judge sees what the trainer's judge sends: the
-template rendered (`rljob_trainer.data.judge.render_prompt`) inside the judge's chat template, and
+template rendered (`render_prompt`) inside the judge's chat template (`prompt_ids`), and
 answers greedily within maxTokens (transformers' `generate`, fp32: the same model as vLLM serves,
 not its kernels). A verdict is the parsed score >= half of maxScore; an unparsed answer agrees with
 nothing (the trainer scores it 0).
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rljob_trainer.data.judge import parse_score, render_prompt
+    from rljob_trainer.data.judge import parse_score, prompt_ids, render_prompt
     from rljob_trainer.model import packaged
 
     spec = yaml.safe_load(args.example.read_text())["spec"]
@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             text = render_prompt(
                 template, prompt=question, response=response, answer=answer, max_score=max_score
             )
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+            ids = torch.tensor([prompt_ids(tok, text)])
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=int(judge.get("maxTokens", 8)), do_sample=False)
             reply = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -99,6 +99,16 @@ def parse_score(text: str, max_score: float) -> float | None:
     return value / max_score
 
 
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The token ids the judge is sent for a rendered template: as the user's turn of the judge's
+    chat template (with the assistant's opening) when it has one, else the text itself."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def batches(n: int, size: int) -> list[list[int]]:
     """Indices 0..n-1 in batches of at most `size`."""
     return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
@@ -164,11 +174,7 @@ class Judge:
 
     # ---- scoring -------------------------------------------------------------------------------
     def prompt_ids(self, text: str) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return prompt_ids(self.tokenizer, text)
 
     def _sampling(self, n: int) -> base.SamplingSettings:
         return base.SamplingSettings(
