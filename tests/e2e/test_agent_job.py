@@ -13,9 +13,9 @@ telemetry lines show the episodes ended by the environment and every response ju
 `examples/tiny-agent-endpoint-cpu.yaml` (an environment of mode agent: `rljob_env.arithmetic_agent`,
 the default command of that mode, its agent streaming): the operator adds the token Secret, trainer
 pod 0's port `endpoint` and the fence's one opening; the driver serves the OpenAI-compatible
-endpoint, each episode is one `POST /episode` to the environment's pod, whose agent calls the
-endpoint with the token from its environment; the calls are the samples trained, and the job ends
-Succeeded.
+endpoint in front of vLLM's CPU engine, each episode is one `POST /episode` to the environment's
+pod, whose agent calls the endpoint with the token from its environment; the calls are the samples
+trained, and the job ends Succeeded.
 """
 
 from __future__ import annotations
@@ -204,8 +204,10 @@ def test_an_agent_job_of_mode_agent_trains_on_its_environments_calls_to_the_endp
         )
         assert status["progress"]["step"] == ENDPOINT_STEPS
         assert [e["name"] for e in status.get("environments", [])] == ["arith"]
-        # The endpoint served on trainer pod 0 from the driver's setup.
+        # The endpoint served on trainer pod 0 from the driver's setup, in front of vLLM's CPU engine
+        # (the example's rollout.kind), the engine a GPU job's endpoint serves from.
         assert "OpenAI-compatible endpoint on" in driver_log, driver_log[-6000:]
+        assert re.search(r"rollout engine platform: vLLM \S+ on cpu", driver_log), driver_log[-6000:]
         steps = _step_metrics(driver_log)
         assert len(steps) == ENDPOINT_STEPS, driver_log[-6000:]
         for metrics in steps:
