@@ -359,6 +359,44 @@ INVALID_CASES: list[InvalidCase] = [
         "runs its own agent, which offers its own tools",
     ),
     InvalidCase(
+        "cel-agent-demonstrations-end-with-an-answer",
+        {
+            "spec.rollout": {
+                "agent": {
+                    "demonstrations": [
+                        {"role": "user", "content": "What is 12 + 7?"},
+                        {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                        {"role": "tool", "name": "calc", "content": "19"},
+                    ]
+                }
+            }
+        },
+        "spec.rollout.agent.demonstrations",
+        "must start with a user message (a task) and end with an assistant message",
+    ),
+    InvalidCase(
+        "enum-agent-demonstration-role",
+        {"spec.rollout": {"agent": {"demonstrations": [{"role": "system", "content": "Be brief."}]}}},
+        "spec.rollout.agent.demonstrations[0].role",
+    ),
+    InvalidCase(
+        "cel-agent-mode-environment-without-demonstrations",
+        {
+            "spec.rollout": {
+                "agent": {
+                    "environment": "web",
+                    "demonstrations": [
+                        {"role": "user", "content": "What is 12 + 7?"},
+                        {"role": "assistant", "content": "19"},
+                    ],
+                }
+            },
+            "spec.environments": [{"name": "web", "mode": "agent"}],
+        },
+        "spec.rollout.agent.demonstrations",
+        "its own agent writes every prompt",
+    ),
+    InvalidCase(
         "range-environment-port-privileged",
         {"spec.environments": [{"name": "arith", "port": 80}]},
         "spec.environments[0].port",

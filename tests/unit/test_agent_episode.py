@@ -23,6 +23,35 @@ def _turn(ep: agent.Episode, tok, text: str, *, eos: bool = True, version: int =
     )
 
 
+DEMONSTRATIONS = [
+    {"role": "user", "content": "What is 23+58?"},
+    {"role": "assistant", "content": tools.format_tool_call(tools.ToolCall("calc", {"expression": "23+58"}))},
+    {"role": "tool", "name": "calc", "content": "81"},
+    {"role": "assistant", "content": "81"},
+]
+
+
+@pytest.mark.parametrize("make", [chatml_tokenizer, char_tokenizer])
+def test_demonstrations_come_after_the_tools_and_before_the_task_as_the_template_renders_them(make) -> None:
+    tok = make()
+    plain = agent.ChatFormat(tok, SCHEMAS)
+    fmt = agent.ChatFormat(tok, SCHEMAS, demonstrations=DEMONSTRATIONS)
+    task = "What is 6*7?"
+    system = plain.prompt_messages(task)[:-1]
+    assert fmt.prompt_messages(task) == [*system, *DEMONSTRATIONS, {"role": "user", "content": task}]
+    kwargs = {} if fmt.system_tools else {"tools": SCHEMAS}
+    expected = tok.apply_chat_template(
+        fmt.prompt_messages(task), add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    text = tok.decode(fmt.prompt_ids(task))
+    assert text == expected
+    # The tools' offer, then the worked call and its result, then the task, then the generation prompt.
+    offer = text.index("<tools>") if not fmt.system_tools else text.index("calc(expression)")
+    call, result, answer = (text.index(s) for s in ('"23+58"', "81", task))
+    assert offer < text.index("What is 23+58?") < call < result < answer
+    assert "23+58" not in tok.decode(plain.prompt_ids(task))
+
+
 @pytest.mark.parametrize("make", [chatml_tokenizer, char_tokenizer])
 def test_an_episode_is_the_templates_rendering_of_the_conversation(make) -> None:
     tok = make()

@@ -20,11 +20,14 @@ import pytest
 from agent_scripted import CALL, TOK, Engine, make_pipeline
 
 from rljob_trainer import config
+from rljob_trainer.data import sources
 from rljob_trainer.model import modeling
-from rljob_trainer.rollout import agent, tools
+from rljob_trainer.rollout import agent, agent_loop, tools
 
 
-def _cfg(*, budget: int = 400, max_turns: int = 3, **grpo: Any) -> config.TrainerConfig:
+def _cfg(
+    *, budget: int = 400, max_turns: int = 3, demonstrations: list[dict[str, str]] | None = None, **grpo: Any
+) -> config.TrainerConfig:
     return config.parse_config(
         {
             "model": {
@@ -40,9 +43,38 @@ def _cfg(*, budget: int = 400, max_turns: int = 3, **grpo: Any) -> config.Traine
             "agent": {
                 "maxTurns": max_turns,
                 "tools": [{"name": "calc", "kind": "calculator", "description": "Arithmetic."}],
+                "demonstrations": demonstrations or [],
             },
         }
     )
+
+
+def test_every_prompt_carries_the_demonstrations_and_they_count_against_max_prompt_tokens() -> None:
+    demos = [
+        {"role": "user", "content": "23+58="},
+        {
+            "role": "assistant",
+            "content": tools.format_tool_call(tools.ToolCall("calc", {"expression": "23+58"})),
+        },
+        {"role": "tool", "name": "calc", "content": "81"},
+        {"role": "assistant", "content": "81"},
+    ]
+    plain = agent_loop.AgentLoop(_cfg(), TOK)
+    shown = agent_loop.AgentLoop(_cfg(demonstrations=demos), TOK)
+    try:
+        text = TOK.decode(shown.prompt_ids("6*7="))
+        assert "23+58" not in TOK.decode(plain.prompt_ids("6*7="))
+        assert text.index("23+58=") < text.index('"23+58"') < text.index("81") < text.index("6*7=")
+        # A task that fits alone but not after the demonstrations is dropped, never cut.
+        extra = len(shown.prompt_ids("6*7=")) - len(plain.prompt_ids("6*7="))
+        task = "1+" * ((512 - len(plain.prompt_ids("")) - extra // 2) // 2) + "1="
+        assert len(plain.prompt_ids(task)) <= 512 < len(shown.prompt_ids(task))
+        examples = [sources.Example("6*7=", "42"), sources.Example(task, "0")]
+        assert plain.fitting_examples(examples, "data")[0] == examples
+        assert shown.fitting_examples(examples, "data")[0] == examples[:1]
+    finally:
+        plain.close()
+        shown.close()
 
 
 def script(prompt_text: str) -> str:

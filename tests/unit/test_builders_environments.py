@@ -266,6 +266,24 @@ def test_the_trainer_config_has_the_agent_the_environments_urls_and_the_judge_pl
     assert judge.prompt_template == JUDGE["promptTemplate"]
 
 
+def test_the_trainer_config_has_the_demonstrations_in_order_with_their_tool_names() -> None:
+    demos = [
+        {"role": "user", "content": "What is 12 + 7?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "calc", "arguments": {"expression": "12+7"}}</tool_call>',
+        },
+        {"role": "tool", "name": "calc", "content": "19"},
+        {"role": "assistant", "content": "19"},
+    ]
+    spec = make_spec(
+        rollout={"agent": {"tools": [{"name": "calc", "kind": "calculator"}], "demonstrations": demos}}
+    )
+    agent = builders.render_trainer_config(spec, static_plan(spec), {"model_type": "llama"}, job=JOB).agent
+    assert agent is not None
+    assert [m.model_dump(exclude_none=True) for m in agent.demonstrations] == demos
+
+
 def test_a_named_task_is_rendered_as_its_name() -> None:
     spec = make_spec(environments=[{"name": "arith", "task": "hard"}])
     (env,) = builders.render_trainer_config(

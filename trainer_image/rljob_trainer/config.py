@@ -654,6 +654,14 @@ class ToolSettings(_Model):
         return self
 
 
+class DemonstrationMessage(_Model):
+    """One message of the worked examples shown before every task (`AgentSettings.demonstrations`)."""
+
+    role: Literal["user", "assistant", "tool"]
+    content: str
+    name: str | None = Field(None, description="role tool: the tool that answered.")
+
+
 class AgentSettings(_Model):
     """Episodes of several turns: generate, call tools or step an environment, generate again, until
     the model answers, `max_turns` or the token budget. Token-in/token-out: what an engine generated
@@ -670,6 +678,11 @@ class AgentSettings(_Model):
     environment: str | None = Field(
         None, description="Name of an `environments` entry whose reset/step drive the episodes."
     )
+    demonstrations: list[DemonstrationMessage] = Field(
+        default_factory=list,
+        description="Worked examples (user, assistant, tool messages) put before every task, after the "
+        "system message, in training and evaluation.",
+    )
     tool_call_format: Literal["hermes"] = Field(
         "hermes",
         description='How tool calls are written: hermes, <tool_call>{"name": ..., "arguments": {...}}'
@@ -681,6 +694,16 @@ class AgentSettings(_Model):
         names = [t.name for t in self.tools]
         if len(names) != len(set(names)):
             raise ValueError(f"agent.tools names must be unique: {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _demonstrations_end_before_a_task(self) -> AgentSettings:
+        roles = [m.role for m in self.demonstrations]
+        if roles and (roles[0] != "user" or roles[-1] != "assistant"):
+            raise ValueError(
+                "agent.demonstrations must start with a user message and end with an assistant message "
+                f"(the task follows as the next user message), not {roles[0]} ... {roles[-1]}"
+            )
         return self
 
 

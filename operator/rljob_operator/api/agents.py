@@ -104,6 +104,23 @@ class ToolSpec(_Spec):
         return self
 
 
+class DemonstrationMessage(_Spec):
+    """One message of a worked example shown before every task (spec.rollout.agent.demonstrations)."""
+
+    role: Literal["user", "assistant", "tool"] = Field(
+        description="user (a task), assistant (the model's reply: a tool call written as the model calls "
+        "tools, or an answer) or tool (a tool's result)."
+    )
+    content: str = Field(max_length=4096, description="The message's text, as the chat template renders it.")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="role tool: the tool that answered (templates that render it show it).",
+    )
+
+
 class AgentSpec(_Spec):
     """Episodes of several turns: the model generates, calls tools or steps an environment, and
     generates again, until it answers, maxTurns or the token budget. What the engine generated is
@@ -116,6 +133,18 @@ class AgentSpec(_Spec):
             message="spec.rollout.agent.tools[].name must be unique: the model calls a tool by its name",
             field_path=".tools",
             check=lambda s: len({t.name for t in s.tools}) == len(s.tools),
+        ),
+        CelRule(
+            rule="!has(self.demonstrations) || size(self.demonstrations) == 0 || "
+            "(self.demonstrations[0].role == 'user' && "
+            "self.demonstrations[size(self.demonstrations) - 1].role == 'assistant')",
+            message="spec.rollout.agent.demonstrations must start with a user message (a task) and end with "
+            "an assistant message (its answer): the episode's own task follows it as the next user message",
+            field_path=".demonstrations",
+            check=lambda s: (
+                not s.demonstrations
+                or (s.demonstrations[0].role == "user" and s.demonstrations[-1].role == "assistant")
+            ),
         ),
     )
 
@@ -138,6 +167,15 @@ class AgentSpec(_Spec):
         pattern=ENVIRONMENT_NAME_PATTERN,
         description="The name of a spec.environments[] entry whose reset/step drive the episodes "
         "(docs/contracts.md). Unset: the prompts come from spec.data and the tools are the only world.",
+    )
+    demonstrations: list[DemonstrationMessage] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Worked examples put before every task (in training and evaluation), after the system "
+        "message: user, assistant (a tool call as the model writes one), tool and assistant messages. A "
+        "small model offered tools in the system message alone may never call one, and GRPO cannot "
+        "reinforce a call it never samples (docs/agents.md). Their tokens count in "
+        "spec.lengths.maxPromptTokens.",
     )
 
 

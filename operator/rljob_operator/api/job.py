@@ -379,6 +379,25 @@ class RLJobSpec(_Spec):
             ),
         ),
         CelRule(
+            rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
+            "!has(self.rollout.agent.demonstrations) || size(self.rollout.agent.demonstrations) == 0 || "
+            "!self.environments.exists(e, e.name == self.rollout.agent.environment && has(e.mode) && "
+            "e.mode == 'agent')",
+            message="spec.rollout.agent.demonstrations: the environment spec.rollout.agent.environment names "
+            "has mode agent: its own agent writes every prompt it sends the job's endpoint, so the trainer "
+            "has no prompt to put them in; remove spec.rollout.agent.demonstrations (show the examples in "
+            "your agent's own prompt), or set the environment's mode to steps",
+            field_path=".rollout.agent.demonstrations",
+            check=lambda s: (
+                s.rollout.agent is None
+                or s.rollout.agent.environment is None
+                or not s.rollout.agent.demonstrations
+                or not any(
+                    e.name == s.rollout.agent.environment and e.mode == "agent" for e in s.environments
+                )
+            ),
+        ),
+        CelRule(
             rule="!has(self.rollout.agent) || !has(self.rollout.agent.maxTotalTokens) || "
             "self.rollout.agent.maxTotalTokens <= self.lengths.maxCompletionTokens",
             message="spec.rollout.agent.maxTotalTokens must be at most spec.lengths.maxCompletionTokens: an "

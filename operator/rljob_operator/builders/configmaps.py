@@ -280,6 +280,10 @@ def _agent_settings(spec: api.RLJobSpec) -> dict[str, Any] | None:
         "max_total_tokens": agent.max_total_tokens,
         "tools": tools,
         "environment": agent.environment,
+        "demonstrations": [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+            for m in agent.demonstrations
+        ],
     }
 
 

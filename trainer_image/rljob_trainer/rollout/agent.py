@@ -109,6 +109,7 @@ class ChatFormat:
         tool_schemas: Sequence[Mapping[str, Any]] = (),
         *,
         system_prompt: str | None = None,
+        demonstrations: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(
@@ -118,6 +119,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.tool_schemas = [dict(s) for s in tool_schemas]
         self.system_prompt = system_prompt  # the data's (data.systemPrompt), before the tools'
+        self.demonstrations = [dict(m) for m in demonstrations]  # worked examples before each task
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.eos_text = tokenizer.decode(sorted(self.eos_ids)[:1]) if self.eos_ids else ""
@@ -156,7 +158,7 @@ class ChatFormat:
         if self.system_tools:
             system.append(hermes_system_prompt(self.tool_schemas))
         msgs = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-        return [*msgs, {"role": "user", "content": text}]
+        return [*msgs, *self.demonstrations, {"role": "user", "content": text}]
 
     def prompt_text(self, text: str) -> str:
         return self._render(self.prompt_messages(text), generation_prompt=True, tools=not self.system_tools)

@@ -59,6 +59,7 @@ class AgentLoop:
             tokenizer,
             tools.tool_schemas(self.settings.tools),
             system_prompt=getattr(cfg.data, "system_prompt", None),
+            demonstrations=[m.model_dump(exclude_none=True) for m in self.settings.demonstrations],
         )
         self.toolbox = tools.ToolBox(self.settings.tools, python_runner=python_runner, clock=clock)
         env = next((e for e in cfg.environments if e.name == self.settings.environment), None)
