@@ -142,6 +142,31 @@ def test_requests_are_seeded_per_request_not_per_batch(dedicated) -> None:
     assert alone[0].token_ids == both[2].token_ids
 
 
+def test_seeded_prompts_longer_than_one_batch_are_served_on_the_cpu_build() -> None:
+    """vLLM 0.32 rewinds a seeded request's torch generator when it discards the token sampled after a
+    partial (chunked) prefill; a CPU generator has no offset, and the EngineCore died ("CPU Generator
+    does not use offset") as soon as the step's prompts outgrew maxNumBatchedTokens: it killed
+    examples/tiny-agent-endpoint-cpu.yaml's engine on the local cluster. The engine now turns chunked
+    prefill off where the platform's generator cannot rewind."""
+    cfg = vllm_config(
+        lengths={"maxPromptTokens": 64, "maxResponseTokens": 16},
+        distributed={"numTrainerRanks": 1, "launcher": "local"},
+    )
+    engine = vllm_engine.VLLMEngine(cfg, name="dedicated-1", colocated=False)
+    caps = engine.load()
+    try:
+        assert caps["seeded_chunked_prefill"] is False  # CPU torch: generators without offsets
+        prompts = [[1 + (i * 7 + j) % 9 for j in range(60)] for i in range(8)]  # 480 > 256 tokens a batch
+        outs = engine.generate(prompts, _sampling(len(prompts), max_tokens=4))
+        assert [len(o.token_ids) for o in outs if o.finish_reason == "length"] and all(
+            o.token_ids for o in outs
+        )
+        alone = engine.generate(prompts[5:6], base.SamplingSettings(TEMPERATURE, TOP_P, 4, seeds=(5,)))
+        assert alone[0].token_ids == outs[5].token_ids  # still seeded per request
+    finally:
+        engine.shutdown()
+
+
 def _finished(o: base.GenerationOutput) -> bool:
     """Ran to its budget, or sampled the end-of-sequence token (vLLM always stops there)."""
     return (o.finish_reason == "length" and len(o.token_ids) == CAP) or o.finish_reason == "stop"

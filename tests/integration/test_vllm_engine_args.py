@@ -64,6 +64,11 @@ def test_the_rendered_engine_arguments_are_ones_vllm_takes(path: Path, tmp_path:
     config = EngineArgs(**args, skip_tokenizer_init=True).create_engine_config()
     assert config.scheduler_config.max_num_seqs == cfg.rollout.max_num_seqs == plan.max_num_seqs
     assert config.scheduler_config.max_num_batched_tokens == cfg.rollout.max_num_batched_tokens
+    # This CPU build cannot rewind a seeded request's generator: no prompt is split over two steps.
+    assert caps is not None and caps.seeded_chunked_prefill is False
+    assert config.scheduler_config.enable_chunked_prefill is False
+    # A hybrid model (Qwen3.5's linear attention) keeps vLLM's own rule: no prefix caching then.
+    assert config.cache_config.enable_prefix_caching is not vllm_engine.has_state_space_layers(str(tmp_path))
     assert config.model_config.max_model_len == cfg.lengths.max_model_len_tokens
     assert config.cache_config.kv_cache_memory_bytes == cfg.rollout.cpu_kv_cache_bytes
     # The bytes hold the plan's maxNumSeqs sequences of the longest length vLLM will schedule.

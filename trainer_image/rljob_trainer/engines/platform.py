@@ -101,7 +101,11 @@ class EngineCapabilities:
     (`current_platform.is_cpu()`), sized from bytes the engine is told (`rollout.cpuKvCacheBytes`);
     `weight_transfer_backends`: the backends of vLLM's weight-transfer API that can work on this
     platform (NCCL and CUDA IPC need a CUDA-alike device); `head_sizes`: what the attention backend
-    takes, where vLLM says (empty: not restricted by rljob's knowledge)."""
+    takes, where vLLM says (empty: not restricted by rljob's knowledge); `seeded_chunked_prefill`:
+    whether a seeded request may be prefilled in chunks: vLLM rewinds the request's torch generator
+    when it discards the token sampled after a partial prefill, and a generator without offsets (the
+    CPU's, `generator_has_offset`) kills the EngineCore there, so the engine turns chunked prefill
+    off (`vllm_engine.engine_args`)."""
 
     vllm_version: str
     device_type: str
@@ -110,6 +114,7 @@ class EngineCapabilities:
     host_memory_kv: bool = False
     weight_transfer_backends: tuple[str, ...] = ()
     head_sizes: tuple[int, ...] = ()
+    seeded_chunked_prefill: bool = True
     notes: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +126,18 @@ def cpu_attention_head_sizes() -> tuple[int, ...]:
     from vllm.v1.attention.backends import cpu_attn
 
     return tuple(int(h) for h in cpu_attn.CPUAttentionBackend.get_supported_head_sizes())
+
+
+def generator_has_offset(device: str) -> bool:
+    """Whether torch's random generator on `device` keeps an offset vLLM can rewind (CUDA's does;
+    the CPU's raises "CPU Generator does not use offset")."""
+    import torch
+
+    try:
+        torch.Generator(device=device).get_offset()
+    except RuntimeError:
+        return False
+    return True
 
 
 def probe() -> EngineCapabilities | None:
@@ -144,8 +161,16 @@ def probe() -> EngineCapabilities | None:
     backends = tuple(sorted(api.backends)) if api is not None and api.dist_backend != "gloo" else ()
     head_sizes: tuple[int, ...] = ()
     host_memory_kv = bool(current_platform.is_cpu())
+    seeded_chunked_prefill = True
     if host_memory_kv:
         head_sizes = cpu_attention_head_sizes()
+        # Only the host's generator is tried: creating another device's here would start its runtime.
+        seeded_chunked_prefill = generator_has_offset("cpu")
+        if not seeded_chunked_prefill:
+            notes.append(
+                f"vLLM {version} on {device}: chunked prefill off (a seeded request's generator cannot be "
+                "rewound after a partial prefill)"
+            )
     return EngineCapabilities(
         vllm_version=version,
         device_type=device,
@@ -154,5 +179,6 @@ def probe() -> EngineCapabilities | None:
         host_memory_kv=host_memory_kv,
         weight_transfer_backends=backends,
         head_sizes=head_sizes,
+        seeded_chunked_prefill=seeded_chunked_prefill,
         notes=tuple(notes),
     )

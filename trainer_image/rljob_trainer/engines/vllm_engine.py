@@ -58,12 +58,14 @@ import asyncio
 import concurrent.futures
 import functools
 import itertools
+import json
 import logging
 import os
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rljob_trainer import config as config_mod
@@ -136,6 +138,22 @@ def lora_engine_args(cfg: config_mod.TrainerConfig) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
 
 
+#: HF `layer_types` of layers that keep a recurrent state rather than a KV cache (Qwen3.5's Gated
+#: DeltaNet, Mamba layers of hybrid models).
+STATE_SPACE_LAYER_TYPES = frozenset({"linear_attention", "mamba"})
+
+
+def has_state_space_layers(model: str) -> bool:
+    """Whether the model directory's config.json (or its text_config) declares layers vLLM serves
+    from a mamba-style state cache; False where there is no config.json to read."""
+    try:
+        hf = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = hf.get("text_config") or hf
+    return bool(STATE_SPACE_LAYER_TYPES.intersection(text.get("layer_types") or ()))
+
+
 def engine_args(
     cfg: config_mod.TrainerConfig,
     *,
@@ -176,6 +194,16 @@ def engine_args(
         # Without CUDA graphs compiling buys little for RL's short engine lives and costs a torch
         # inductor compile at every start (CPU: 18 s eager, 54 s compiled for the tiny model).
         args["enforce_eager"] = True
+    if caps is not None and not caps.seeded_chunked_prefill:
+        # Every request is seeded: a prompt split over two scheduler steps would kill the EngineCore
+        # (`platform.EngineCapabilities.seeded_chunked_prefill`). Unchunked, a prompt waits for a step
+        # with room for all of it, which needs a batch of at least one whole sequence.
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(r.max_num_batched_tokens, lengths.max_model_len_tokens)
+        if has_state_space_layers(model):
+            # vLLM caches a hybrid model's prefixes in mamba cache mode "align", which needs chunked
+            # prefill: without it, no prefix caching (mamba cache mode "none").
+            args["enable_prefix_caching"] = False
     if caps is not None and caps.host_memory_kv and r.cpu_kv_cache_bytes is not None:
         # vLLM's CPU backend reserves gpu_memory_utilization x the host's memory unless told the bytes.
         args["kv_cache_memory_bytes"] = r.cpu_kv_cache_bytes
