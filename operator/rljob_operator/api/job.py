@@ -306,6 +306,26 @@ def _inline_head_dim_runs_on_vllm_cpu(spec: Any) -> bool:
     return head_dim in VLLM_CPU_ATTENTION_HEAD_SIZES
 
 
+def _refused_with_an_agent_mode_environment(field: str, why: str, remove: str) -> CelRule:
+    """The rule refusing the list spec.rollout.agent.<field> when the environment the agent names has
+    mode agent (its own agent runs the episode, so the trainer's agent settings have nothing to act on)."""
+    return CelRule(
+        rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
+        f"!has(self.rollout.agent.{field}) || size(self.rollout.agent.{field}) == 0 || "
+        "!self.environments.exists(e, e.name == self.rollout.agent.environment && has(e.mode) && "
+        "e.mode == 'agent')",
+        message=f"spec.rollout.agent.{field}: the environment spec.rollout.agent.environment names has mode "
+        f"agent: {why}; remove {remove}, or set the environment's mode to steps",
+        field_path=f".rollout.agent.{field}",
+        check=lambda s: (
+            s.rollout.agent is None
+            or s.rollout.agent.environment is None
+            or not getattr(s.rollout.agent, field)
+            or not any(e.name == s.rollout.agent.environment and e.mode == "agent" for e in s.environments)
+        ),
+    )
+
+
 class RLJobSpec(_Spec):
     """Desired state of an RLJob: a GRPO training run with its rollout engines."""
 
@@ -360,42 +380,16 @@ class RLJobSpec(_Spec):
                 or any(e.name == s.rollout.agent.environment for e in s.environments)
             ),
         ),
-        CelRule(
-            rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
-            "!has(self.rollout.agent.tools) || size(self.rollout.agent.tools) == 0 || "
-            "!self.environments.exists(e, e.name == self.rollout.agent.environment && has(e.mode) && "
-            "e.mode == 'agent')",
-            message="spec.rollout.agent.tools: the environment spec.rollout.agent.environment names has mode "
-            "agent: it runs its own agent, which offers its own tools through the job's endpoint; remove "
-            "spec.rollout.agent.tools, or set the environment's mode to steps",
-            field_path=".rollout.agent.tools",
-            check=lambda s: (
-                s.rollout.agent is None
-                or s.rollout.agent.environment is None
-                or not s.rollout.agent.tools
-                or not any(
-                    e.name == s.rollout.agent.environment and e.mode == "agent" for e in s.environments
-                )
-            ),
+        _refused_with_an_agent_mode_environment(
+            "tools",
+            "it runs its own agent, which offers its own tools through the job's endpoint",
+            "spec.rollout.agent.tools",
         ),
-        CelRule(
-            rule="!has(self.rollout.agent) || !has(self.rollout.agent.environment) || "
-            "!has(self.rollout.agent.demonstrations) || size(self.rollout.agent.demonstrations) == 0 || "
-            "!self.environments.exists(e, e.name == self.rollout.agent.environment && has(e.mode) && "
-            "e.mode == 'agent')",
-            message="spec.rollout.agent.demonstrations: the environment spec.rollout.agent.environment names "
-            "has mode agent: its own agent writes every prompt it sends the job's endpoint, so the trainer "
-            "has no prompt to put them in; remove spec.rollout.agent.demonstrations (show the examples in "
-            "your agent's own prompt), or set the environment's mode to steps",
-            field_path=".rollout.agent.demonstrations",
-            check=lambda s: (
-                s.rollout.agent is None
-                or s.rollout.agent.environment is None
-                or not s.rollout.agent.demonstrations
-                or not any(
-                    e.name == s.rollout.agent.environment and e.mode == "agent" for e in s.environments
-                )
-            ),
+        _refused_with_an_agent_mode_environment(
+            "demonstrations",
+            "its own agent writes every prompt it sends the job's endpoint, so the trainer has no prompt "
+            "to put them in",
+            "spec.rollout.agent.demonstrations (show the examples in your agent's own prompt)",
         ),
         CelRule(
             rule="!has(self.rollout.agent) || !has(self.rollout.agent.maxTotalTokens) || "
