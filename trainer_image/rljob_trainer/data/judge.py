@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob_trainer import config as config_mod
+from rljob_trainer.data import sources
 from rljob_trainer.engines import base
 
 log = logging.getLogger("rljob_trainer.data.judge")
@@ -101,12 +102,11 @@ def parse_score(text: str, max_score: float) -> float | None:
 
 def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """The token ids the judge is sent for a rendered template: as the user's turn of the judge's
-    chat template (with the assistant's opening) when it has one, else the text itself."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    chat template (with the assistant's opening) when it has one, else the text itself
+    (`sources.encode_prompt`, as a policy's prompt is encoded)."""
+    return sources.encode_prompt(
+        tokenizer, text, chat_template=bool(getattr(tokenizer, "chat_template", None))
+    )
 
 
 def batches(n: int, size: int) -> list[list[int]]:
