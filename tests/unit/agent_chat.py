@@ -1,13 +1,24 @@
 """Chat tokenizers for the agent tests, built in code: a character tokenizer with ChatML specials and
 Qwen2.5's tool-calling chat template (its structure: tools in the system message inside <tools>,
 consecutive tool results grouped into one user turn of <tool_response> blocks), and the tiny models'
-plain template (which ignores `tools=`)."""
+plain template (which ignores `tools=`); and one worked calculator call as demonstrations
+(`agent.demonstrations`), for the tests that put it before a task."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rljob_trainer.model import modeling
+from rljob_trainer.rollout import tools
+
+#: A worked calculator call and its answer, as `agent.demonstrations` writes them (numbers of their own:
+#: the tests find them in the rendered prompt).
+DEMONSTRATIONS = [
+    {"role": "user", "content": "What is 23+58?"},
+    {"role": "assistant", "content": tools.format_tool_call(tools.ToolCall("calc", {"expression": "23+58"}))},
+    {"role": "tool", "name": "calc", "content": "81"},
+    {"role": "assistant", "content": "81"},
+]
 
 # Qwen2.5-Instruct's template, less its assistant-tool_calls branch (rljob never renders a model turn).
 QWEN25_TEMPLATE = (

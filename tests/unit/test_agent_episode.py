@@ -6,7 +6,7 @@ kept as generated; what follows a turn and a step."""
 from __future__ import annotations
 
 import pytest
-from agent_chat import char_tokenizer, chatml_tokenizer
+from agent_chat import DEMONSTRATIONS, char_tokenizer, chatml_tokenizer
 
 from rljob_trainer import config
 from rljob_trainer.engines import base
@@ -21,14 +21,6 @@ def _turn(ep: agent.Episode, tok, text: str, *, eos: bool = True, version: int =
     return base.GenerationOutput(
         tuple(ep.context), tuple(ids), lps, reason, {"engine": "e1", "version": version}
     )
-
-
-DEMONSTRATIONS = [
-    {"role": "user", "content": "What is 23+58?"},
-    {"role": "assistant", "content": tools.format_tool_call(tools.ToolCall("calc", {"expression": "23+58"}))},
-    {"role": "tool", "name": "calc", "content": "81"},
-    {"role": "assistant", "content": "81"},
-]
 
 
 @pytest.mark.parametrize("make", [chatml_tokenizer, char_tokenizer])

@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from agent_chat import DEMONSTRATIONS
 from agent_scripted import CALL, TOK, Engine, make_pipeline
 
 from rljob_trainer import config
@@ -50,21 +51,12 @@ def _cfg(
 
 
 def test_every_prompt_carries_the_demonstrations_and_they_count_against_max_prompt_tokens() -> None:
-    demos = [
-        {"role": "user", "content": "23+58="},
-        {
-            "role": "assistant",
-            "content": tools.format_tool_call(tools.ToolCall("calc", {"expression": "23+58"})),
-        },
-        {"role": "tool", "name": "calc", "content": "81"},
-        {"role": "assistant", "content": "81"},
-    ]
     plain = agent_loop.AgentLoop(_cfg(), TOK)
-    shown = agent_loop.AgentLoop(_cfg(demonstrations=demos), TOK)
+    shown = agent_loop.AgentLoop(_cfg(demonstrations=DEMONSTRATIONS), TOK)
     try:
         text = TOK.decode(shown.prompt_ids("6*7="))
         assert "23+58" not in TOK.decode(plain.prompt_ids("6*7="))
-        assert text.index("23+58=") < text.index('"23+58"') < text.index("81") < text.index("6*7=")
+        assert text.index("What is 23+58?") < text.index('"23+58"') < text.index("81") < text.index("6*7=")
         # A task that fits alone but not after the demonstrations is dropped, never cut.
         extra = len(shown.prompt_ids("6*7=")) - len(plain.prompt_ids("6*7="))
         task = "1+" * ((512 - len(plain.prompt_ids("")) - extra // 2) // 2) + "1="
