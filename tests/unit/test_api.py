@@ -449,9 +449,15 @@ def _rare_cases(model: type[api.base._Model]) -> list[Any]:
         return []
     spec = api.RLJobSpec.model_validate(MINIMAL_SPEC)
     config = api.ModelConfigSource.model_construct(inline={"model_type": "qwen2", "head_dim": 16})
-    # An environment of mode agent named by an agent that also brings tools of its own.
+    # An environment of mode agent named by an agent that also brings tools and demonstrations of its
+    # own (each a rule of its own, false here only: random draws reach it about once in 250).
     agent = api.AgentSpec.model_construct(
-        environment="web", tools=[api.ToolSpec.model_validate({"name": "calc", "kind": "calculator"})]
+        environment="web",
+        tools=[api.ToolSpec.model_validate({"name": "calc", "kind": "calculator"})],
+        demonstrations=[
+            api.DemonstrationMessage.model_validate({"role": "user", "content": "1+1?"}),
+            api.DemonstrationMessage.model_validate({"role": "assistant", "content": "2"}),
+        ],
     )
     web = api.EnvironmentSpec.model_validate({"name": "web", "mode": "agent"})
     mode_agent = spec.model_copy(
