@@ -346,13 +346,7 @@ class VLLMEngine(base.RolloutEngine):
     def capabilities(self) -> platform.EngineCapabilities:
         """What the installed vLLM says it can do here (`platform.probe`), asked once."""
         if self._caps is None:
-            caps = platform.probe()
-            if caps is None:
-                raise RuntimeError(
-                    f"engine {self.name}: rollout.kind is vllm but vLLM is not installed in this image "
-                    "(use the trainer image's CUDA, CPU or Ascend flavour, or rollout.kind transformers)"
-                )
-            self._caps = caps
+            self._caps = probe_or_raise(self.name)
         return self._caps
 
     @property
@@ -380,21 +374,16 @@ class VLLMEngine(base.RolloutEngine):
         return self._transfer
 
     def _resolve_model_path(self) -> str:
-        m = self._cfg.model
         if self._model_path:
             return self._model_path
-        if m.source == "pvc":
-            return str(m.path)
-        if m.source == "hub":
-            return str(m.hub_id)
-        # A tiny model has no files: write its config, tokenizer and initial weights once so vLLM can
-        # build it; later weights arrive through a weight transfer, never through disk.
         from rljob_trainer.model import modeling
 
-        out = tempfile.mkdtemp(prefix=f"rljob-{self.name}-")
-        modeling.build_base_model(m, init_seed=self._cfg.grpo.seed).save_pretrained(out)
-        modeling.load_tokenizer(m).save_pretrained(out)
-        return out
+        # A tiny model's later weights arrive through a weight transfer, never through disk.
+        return model_folder(
+            self._cfg,
+            self.name,
+            lambda: modeling.build_base_model(self._cfg.model, init_seed=self._cfg.grpo.seed),
+        )
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if self._loop is None:
@@ -428,7 +417,7 @@ class VLLMEngine(base.RolloutEngine):
             return caps.to_dict()
         from rljob_trainer.weights import weight_sync
 
-        self._check_head_size(caps)
+        check_head_size(self._cfg.model.hf_config, caps, name=self.name, field="spec.model")
         transfer = self.weight_transfer
         if needs_pickle(transfer):
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -454,15 +443,6 @@ class VLLMEngine(base.RolloutEngine):
             return caps.to_dict()
         self._start()
         return caps.to_dict()
-
-    def _check_head_size(self, caps: platform.EngineCapabilities) -> None:
-        head_dim = _head_dim(self._cfg.model.hf_config)
-        if caps.head_sizes and head_dim is not None and head_dim not in caps.head_sizes:
-            raise ValueError(
-                f"engine {self.name}: vLLM {caps.vllm_version}'s attention on {caps.device_type} supports "
-                f"head sizes {list(caps.head_sizes)}, and this model's head_dim is {head_dim} (spec.model); "
-                "use a model with a supported head size, or spec.resources.rollout.kind transformers"
-            )
 
     def _start(self) -> None:
         """Start AsyncLLM (EngineCore and its workers: processes of their own) from the kept args."""
@@ -767,6 +747,46 @@ class VLLMEngine(base.RolloutEngine):
     def shutdown(self) -> None:
         """Stop vLLM's processes (the actor is going away)."""
         self._stop()
+
+
+def probe_or_raise(name: str) -> platform.EngineCapabilities:
+    """What the installed vLLM can do here (`platform.probe`); an image without vLLM is named."""
+    caps = platform.probe()
+    if caps is None:
+        raise RuntimeError(
+            f"engine {name}: rollout.kind is vllm but vLLM is not installed in this image "
+            "(use the trainer image's CUDA, CPU or Ascend flavour, or rollout.kind transformers)"
+        )
+    return caps
+
+
+def check_head_size(
+    hf_config: dict[str, Any] | None, caps: platform.EngineCapabilities, *, name: str, field: str
+) -> None:
+    """Refuse, naming `field`, a model whose head size the platform's attention does not take."""
+    head_dim = _head_dim(hf_config)
+    if caps.head_sizes and head_dim is not None and head_dim not in caps.head_sizes:
+        raise ValueError(
+            f"engine {name}: vLLM {caps.vllm_version}'s attention on {caps.device_type} supports "
+            f"head sizes {list(caps.head_sizes)}, and this model's head_dim is {head_dim} ({field}); "
+            "use a model with a supported head size, or spec.resources.rollout.kind transformers"
+        )
+
+
+def model_folder(cfg: config_mod.TrainerConfig, name: str, build: Callable[[], Any]) -> str:
+    """Where vLLM loads `cfg.model` from: its volume path or hub id, or for a tiny model (no files) a
+    folder written once with `build()`'s config and initial weights and the tokenizer."""
+    m = cfg.model
+    if m.source == "pvc":
+        return str(m.path)
+    if m.source == "hub":
+        return str(m.hub_id)
+    from rljob_trainer.model import modeling
+
+    out = tempfile.mkdtemp(prefix=f"rljob-{name}-")
+    build().save_pretrained(out)
+    modeling.load_tokenizer(m).save_pretrained(out)
+    return out
 
 
 def _head_dim(hf_config: dict[str, Any] | None) -> int | None:
