@@ -81,8 +81,9 @@ def test_the_judge_engine_is_built_from_the_judge_settings() -> None:
         2,
     )
     assert jc.judge is None and jc.agent is None
-    with pytest.raises(ValueError, match="rewardModel is not served yet"):
-        judge.judge_engine_config(_cfg(kind="rewardModel"))
+    # A reward model answers with one score position, not maxTokens of text.
+    rm = judge.judge_engine_config(_cfg(kind="rewardModel"))
+    assert (rm.lengths.max_prompt_tokens, rm.lengths.max_response_tokens) == (1023, 1)
     assert judge.batches(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
@@ -99,14 +100,18 @@ class Runtime:
         self.modes = modes
         self.futures: dict[int, tuple[Engine, list[list[int]]]] = {}
         self.now = 0.0
+        self.kinds: list[str] = []
+        self.methods: list[str] = []
 
-    def create_judge(self, index: int, cfg: Any) -> Engine:
+    def create_judge(self, index: int, cfg: Any, kind: str) -> Engine:
+        self.kinds.append(kind)
         return Engine(f"judge-{index}", self.modes.get(index, "answer"))
 
     def submit(self, handle: Engine, method: str, *args: Any) -> int:
         fut = len(self.futures)
-        self.futures[fut] = (handle, list(args[0]) if method == "generate" else [])
-        if method == "generate":
+        self.methods.append(method)
+        self.futures[fut] = (handle, list(args[0]) if method in ("generate", "score") else [])
+        if method in ("generate", "score"):
             handle.calls.append(len(args[0]))
         return fut
 
@@ -122,6 +127,8 @@ class Runtime:
             raise RuntimeError(f"{engine.name} broke")
         if not prompts:
             return None
+        if self.methods[fut] == "score":  # a reward model: one float per sequence, its length here
+            return [float(len(p)) for p in prompts]
         # The judge "answers" each prompt with its length mod 11: a number in [0, 10].
         return [
             base.GenerationOutput(tuple(p), tuple(TOK.encode(str(len(p) % 11))), (), "stop") for p in prompts
@@ -131,11 +138,32 @@ class Runtime:
         pass
 
 
-def _judge(modes: dict[int, str], engines: int) -> tuple[judge.Judge, Runtime]:
+def _judge(modes: dict[int, str], engines: int, **j: Any) -> tuple[judge.Judge, Runtime]:
     rt = Runtime(modes)
-    j = judge.Judge(_cfg(engines=engines, timeoutS=5.0), rt, tokenizer=TOK, clock=lambda: rt.now)
-    j.start()
-    return j, rt
+    out = judge.Judge(_cfg(engines=engines, timeoutS=5.0, **j), rt, tokenizer=TOK, clock=lambda: rt.now)
+    out.start()
+    return out, rt
+
+
+def test_a_reward_model_scores_the_conversation_with_its_raw_score() -> None:
+    j, rt = _judge({0: "hang"}, engines=2, kind="rewardModel")
+    assert rt.kinds == ["reward_model", "reward_model"]  # its engines are reward models, not LLMs
+    out = j.score(["What is 2+3?", "q"], ["5", "r"], ["5", "a"])
+    # The user's turn and the assistant's, in the judge's chat template; no template of its own, no
+    # reference answer.
+    ids = judge.conversation_ids(TOK, "What is 2+3?", "5")
+    assert TOK.decode(ids) == "user: What is 2+3?\nassistant: 5\n"
+    assert out.scores == [float(len(ids)), float(len(judge.conversation_ids(TOK, "q", "r")))]
+    assert "score" in rt.methods and "generate" not in rt.methods
+    assert rt.now >= 5.0  # judge-0 hung: its batch timed out and judge-1 scored it, as for an llm
+    assert out.metrics["judge/unparsed"] == 0 and out.metrics["judge/scored"] == 2
+
+
+def test_a_reward_model_without_a_chat_template_is_refused_before_any_engine() -> None:
+    plain = char_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match=r"judge\.model's tokenizer has no chat template"):
+        judge.Judge(_cfg(kind="rewardModel"), Runtime({}), tokenizer=plain)
 
 
 def test_batches_spread_over_the_engines_and_every_response_is_scored() -> None:

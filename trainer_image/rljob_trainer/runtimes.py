@@ -49,8 +49,10 @@ class Host:
             self.obj = engines.build_engine(
                 cfg, name=kwargs["name"], colocated=kwargs["colocated"], **kwargs.get("engine_kwargs", {})
             )
+        elif kind == "reward_model":
+            self.obj = engines.build_reward_model(cfg, name=kwargs["name"])
         else:
-            raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine")
+            raise ValueError(f"unknown host kind {kind!r}; valid: rank, engine, reward_model")
 
         self._cfg = cfg
         self._stores: dict[str, Any] = {}
@@ -306,9 +308,10 @@ class LocalRuntime:
         del pod_index
         return Host("engine", self.cfg, name=name, colocated=colocated)
 
-    def create_judge(self, index: int, cfg: config_mod.TrainerConfig) -> Any:
-        """Judge engine `index`, built from the judge's config (`data.judge.judge_engine_config`)."""
-        return Host("engine", cfg, name=f"judge-{index}", colocated=False)
+    def create_judge(self, index: int, cfg: config_mod.TrainerConfig, kind: str = "engine") -> Any:
+        """Judge engine `index` (`kind` engine: an LLM's, or reward_model), built from the judge's config
+        (`data.judge.judge_engine_config`)."""
+        return Host(kind, cfg, name=f"judge-{index}", colocated=False)
 
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return _Done(handle.call(method, *args, **kwargs))
@@ -464,9 +467,10 @@ class RayRuntime:
             "engine", self.cfg, name=name, colocated=colocated, engine_kwargs=engine_kwargs
         )
 
-    def create_judge(self, index: int, cfg: config_mod.TrainerConfig) -> Any:
-        """Judge engine `index` on judge pod `index` (`rljob_judge_<k>`), with the accelerators of its
-        tensor parallelism, built from the judge's config (`data.judge.judge_engine_config`)."""
+    def create_judge(self, index: int, cfg: config_mod.TrainerConfig, kind: str = "engine") -> Any:
+        """Judge engine `index` (`kind` engine: an LLM's, or reward_model) on judge pod `index`
+        (`rljob_judge_<k>`), with the accelerators of its tensor parallelism, built from the judge's
+        config (`data.judge.judge_engine_config`)."""
         tp = cfg.rollout.tensor_parallel
         accelerator = self.cfg.distributed.accelerator
         resources: dict[str, float] = {config_mod.judge_resource_name(index): 1}
@@ -476,7 +480,7 @@ class RayRuntime:
             num_cpus=self.cfg.rollout.engine_num_cpus,
             num_gpus=tp if accelerator == "GPU" else 0,
             resources=resources,
-        ).remote("engine", cfg, name=f"judge-{index}", colocated=False, engine_kwargs={})
+        ).remote(kind, cfg, name=f"judge-{index}", colocated=False, engine_kwargs={})
 
     def submit(self, handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         return handle.call.remote(method, *args, **kwargs)

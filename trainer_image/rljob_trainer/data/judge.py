@@ -1,21 +1,27 @@
 """Rewards from a served judge model (`spec.reward.judge`, trainer config `judge`).
 
-Role: an LLM judge on engines of its own, scoring each step's responses in batches. Its engines are
-built like rollout engines (the job's `rollout.kind`: vLLM, or the transformers engine) from
-`JudgeSettings` (`judge_engine_config`: the judge's model, its geometry, `maxTokens` of answer), and
-live where the runtime puts them: Ray actors on the judge pods (`rljob_judge_<k>`, ROLE_JUDGE) in a
-cluster, in-process in local mode. They never take weights: the judge is frozen.
+Role: a judge model on engines of its own, scoring each step's responses in batches. Two kinds:
+- `llm`: a generative judge asked with `promptTemplate`; its engines are built like rollout engines
+  (the job's `rollout.kind`: vLLM, or the transformers engine);
+- `rewardModel`: a sequence-classification model that scores the prompt and the response as one
+  conversation of its chat template (the user's turn, then the assistant's); its engines are
+  `engines.reward_model`'s (vLLM's pooling runner, or transformers), and the reward is the score head's
+  raw logit.
+Both are built from `JudgeSettings` (`judge_engine_config`: the judge's model, its geometry, its
+lengths), and live where the runtime puts them: Ray actors on the judge pods (`rljob_judge_<k>`,
+ROLE_JUDGE) in a cluster, in-process in local mode. They never take weights: the judge is frozen.
 
-Per step `Judge.score(prompts, responses, answers)` renders each response into the judge's prompt
-(`promptTemplate`: {prompt}, {response}, {answer} filled in; its chat template around it when it has
-one), sends `batchSize` of them per generate call (greedy, `maxTokens`), batches spread over the
-engines at once, each batch bounded by `timeoutS`; a batch that fails or times out is tried once more
-on another engine, then its responses are left unscored (None: the driver gives such a sample an
-advantage of 0, `rollout.agent.advantage_groups`), and the failures are named in the log and counted
-(`judge/failed`); a score is the last number of the judge's answer in [0, maxScore], scaled to
-[0, 1] (`parse_score`; none or out of range: `judge/unparsed`, scored 0). Every response unscored
+Per step `Judge.score(prompts, responses, answers)` renders each response into the judge's input
+(llm: `promptTemplate` with {prompt}, {response}, {answer} filled in, its chat template around it when
+it has one; rewardModel: `conversation_ids`), sends `batchSize` of them per call (llm: a greedy
+generate of `maxTokens`; rewardModel: a score), batches spread over the engines at once, each
+batch bounded by `timeoutS`; a batch that fails or times out is tried once more on another engine,
+then its responses are left unscored (None: the driver gives such a sample an advantage of 0,
+`rollout.agent.advantage_groups`), and the failures are named in the log and counted (`judge/failed`);
+an llm's score is the last number of its answer in [0, maxScore], scaled to [0, 1] (`parse_score`;
+none or out of range: `judge/unparsed`, scored 0). Every response unscored
 fails the step (`JudgeError`, naming the cause). Pure parts: `judge_engine_config`, `render_prompt`,
-`parse_score`, `batches`. Callers: `rljob_trainer.driver`, tests.
+`parse_score`, `conversation_ids`, `batches`. Callers: `rljob_trainer.driver`, tests.
 """
 
 from __future__ import annotations
@@ -49,21 +55,18 @@ class JudgeError(RuntimeError):
 
 def judge_engine_config(cfg: config_mod.TrainerConfig) -> config_mod.TrainerConfig:
     """The config a judge engine is built from: the job's, with the judge's model, its engine
-    geometry and its lengths (prompt = maxModelLen - maxTokens, response = maxTokens). Pure."""
+    geometry and its lengths (prompt = maxModelLen - the answer, response = the answer: maxTokens for
+    an llm, the one score position for a rewardModel). Pure."""
     j = cfg.judge
     if j is None:
         raise ValueError("the job has no judge")
-    if j.kind != "llm":
-        raise ValueError(
-            "judge.kind rewardModel is not served yet (only llm judges: a generative model asked with "
-            "promptTemplate); set judge.kind to llm"
-        )
+    answer = j.max_tokens if j.kind == "llm" else 1
     max_len = j.max_model_len or DEFAULT_MAX_MODEL_LEN
-    if max_len <= j.max_tokens:
-        raise ValueError(f"judge.maxModelLen ({max_len}) must exceed judge.maxTokens ({j.max_tokens})")
+    if max_len <= answer:
+        raise ValueError(f"judge.maxModelLen ({max_len}) must exceed judge.maxTokens ({answer})")
     data = cfg.model_dump()
     data["model"] = j.model.model_dump()
-    data["lengths"] = {"max_prompt_tokens": max_len - j.max_tokens, "max_response_tokens": j.max_tokens}
+    data["lengths"] = {"max_prompt_tokens": max_len - answer, "max_response_tokens": answer}
     data["rollout"].update(
         shared_engines=0,
         dedicated_engines=1,
@@ -109,6 +112,20 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     )
 
 
+def conversation_ids(tokenizer: Any, prompt: str, response: str) -> list[int]:
+    """What a reward model scores: the prompt as the user's turn and the response as the assistant's,
+    rendered by its chat template (how reward models are trained and served)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "judge.model's tokenizer has no chat template, and a rewardModel scores the prompt and the "
+            "response as a conversation of its template: use a reward model whose tokenizer_config.json "
+            "has one"
+        )
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
 def batches(n: int, size: int) -> list[list[int]]:
     """Indices 0..n-1 in batches of at most `size`."""
     return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
@@ -142,13 +159,17 @@ class Judge:
 
             tokenizer = modeling.load_tokenizer(self.engine_cfg.model)
         self.tokenizer = tokenizer
+        self.reward_model = self.settings.kind == "rewardModel"
+        if self.reward_model:
+            conversation_ids(tokenizer, "", "")  # no chat template: named before any engine starts
         self.engines: dict[str, Any] = {}
 
     def start(self) -> None:
         """Create and load the judge's engines (each on its judge pod in a cluster); an engine that
         cannot start is named and left out, and none starting is a `JudgeError`."""
+        kind = "reward_model" if self.reward_model else "engine"
         handles = {
-            f"judge-{k}": self.rt.create_judge(k, self.engine_cfg) for k in range(self.settings.engines)
+            f"judge-{k}": self.rt.create_judge(k, self.engine_cfg, kind) for k in range(self.settings.engines)
         }
         loads = {name: self.rt.submit(h, "load") for name, h in handles.items()}
         errors = {}
@@ -173,8 +194,28 @@ class Judge:
         self.engines = {}
 
     # ---- scoring -------------------------------------------------------------------------------
-    def prompt_ids(self, text: str) -> list[int]:
+    def request_ids(self, prompt: str, response: str, answer: str) -> list[int]:
+        """What the judge is sent for one response (module docstring)."""
+        if self.reward_model:
+            return conversation_ids(self.tokenizer, prompt, response)
+        j = self.settings
+        text = render_prompt(
+            j.prompt_template, prompt=prompt, response=response, answer=answer, max_score=j.max_score
+        )
         return prompt_ids(self.tokenizer, text)
+
+    def _call(self, engine: Any, prompts: list[list[int]]) -> Any:
+        if self.reward_model:
+            return self.rt.submit(engine, "score", prompts)
+        return self.rt.submit(engine, "generate", prompts, self._sampling(len(prompts)))
+
+    def _score_of(self, out: Any) -> float | None:
+        """A response's score from what its engine returned (None: an llm's answer held no score)."""
+        if self.reward_model:
+            return float(out)
+        return parse_score(
+            self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True), self.settings.max_score
+        )
 
     def _sampling(self, n: int) -> base.SamplingSettings:
         return base.SamplingSettings(
@@ -188,14 +229,12 @@ class Judge:
         limit = self.engine_cfg.lengths.max_prompt_tokens
         ids: list[list[int] | None] = []
         for p, r, a in zip(prompts, responses, answers, strict=True):
-            x = self.prompt_ids(
-                render_prompt(j.prompt_template, prompt=p, response=r, answer=a, max_score=j.max_score)
-            )
+            x = self.request_ids(p, r, a)
             ids.append(x if len(x) <= limit else None)  # over the judge's context: unscored, counted
         too_long = sum(1 for x in ids if x is None)
         todo = [i for i, x in enumerate(ids) if x is not None]
         pending = [[todo[k] for k in b] for b in batches(len(todo), j.batch_size)]
-        texts: dict[int, str] = {}
+        results: dict[int, Any] = {}
         failures: list[str] = []
         tried: dict[int, set[str]] = {}
         attempts = {b: 0 for b in range(len(pending))}
@@ -208,21 +247,18 @@ class Judge:
                 if not free:
                     continue
                 name = free[0]
-                prompts_b = [ids[i] for i in pending[b]]
-                fut = self.rt.submit(
-                    self.engines[name], "generate", prompts_b, self._sampling(len(prompts_b))
-                )
+                fut = self._call(self.engines[name], [ids[i] for i in pending[b]])
                 inflight[fut] = (b, name, self.clock())
                 busy.add(name)
                 queue.remove(b)
             if not inflight:  # every engine left was tried for these batches
                 failures += [f"batch {b}: no engine left to try" for b in queue]
                 break
-            self._settle(inflight, pending, texts, failures, tried, attempts, queue)
+            self._settle(inflight, pending, results, failures, tried, attempts, queue)
         scores: list[float | None] = [None] * len(ids)
         unparsed = 0
-        for i, text in texts.items():
-            s = parse_score(text, j.max_score)
+        for i, out in results.items():
+            s = self._score_of(out)
             if s is None:
                 unparsed += 1
                 s = 0.0
@@ -247,7 +283,7 @@ class Judge:
         self,
         inflight: dict[Any, tuple[int, str, float]],
         pending: list[list[int]],
-        texts: dict[int, str],
+        results: dict[int, Any],
         failures: list[str],
         tried: dict[int, set[str]],
         attempts: dict[int, int],
@@ -269,8 +305,7 @@ class Judge:
                     except Exception as e:
                         self._retry(b, name, f"{type(e).__name__}: {e}", failures, tried, attempts, queue)
                         continue
-                    for i, out in zip(pending[b], outs, strict=True):
-                        texts[i] = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+                    results.update(zip(pending[b], outs, strict=True))
                 elif now - t >= timeout:
                     del inflight[fut]
                     self._retry(

@@ -118,24 +118,42 @@ def build_base_model(
     settings: config_mod.ModelSettings, *, init_seed: int, attn_implementation: str = "sdpa"
 ) -> PreTrainedModel:
     """The base causal LM (no adapters). Tiny models get deterministic random weights from `init_seed`."""
+    model = _build(
+        settings, AutoModelForCausalLM, init_seed=init_seed, attn_implementation=attn_implementation
+    )
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def build_reward_model(settings: config_mod.ModelSettings, *, init_seed: int) -> PreTrainedModel:
+    """A reward model (`judge.kind` rewardModel): a sequence-classification model, its score head on
+    the last token. A tiny one is built with one label and deterministic random weights; a loaded
+    one keeps what its config.json says (`engines.reward_model` refuses other than one label)."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = settings.hf_config or {}
+    one_label = settings.source == "tiny" and "id2label" not in hf and "num_labels" not in hf
+    overrides = {"num_labels": 1} if one_label else {}
+    return _build(settings, AutoModelForSequenceClassification, init_seed=init_seed, **overrides)
+
+
+def _build(
+    settings: config_mod.ModelSettings, auto_class: Any, *, init_seed: int, **kwargs: Any
+) -> PreTrainedModel:
+    """`auto_class`'s model of `settings`: random weights from `init_seed` for a tiny source (the same
+    seed on every rank and engine gives identical initial weights everywhere), else loaded."""
     dtype = precision.compute_dtype(settings.dtype)
     if settings.source == "tiny":
         hf = dict(settings.hf_config or {})
+        hf.pop("architectures", None)  # the auto class decides the head
         model_type = hf.pop("model_type")
-        cfg = AutoConfig.for_model(model_type, **hf)
-        # Same seed on every rank and engine -> identical initial weights everywhere.
+        config_kwargs = {k: kwargs.pop(k) for k in ("num_labels",) if k in kwargs}
+        cfg = AutoConfig.for_model(model_type, **hf, **config_kwargs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
-            model = AutoModelForCausalLM.from_config(
-                cfg, dtype=dtype, attn_implementation=attn_implementation
-            )
-    else:
-        src, kwargs = _source(settings)
-        model = AutoModelForCausalLM.from_pretrained(
-            src, dtype=dtype, attn_implementation=attn_implementation, **kwargs
-        )
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    return model
+            return auto_class.from_config(cfg, dtype=dtype, **kwargs)
+    src, source_kwargs = _source(settings)
+    return auto_class.from_pretrained(src, dtype=dtype, **kwargs, **source_kwargs)
 
 
 def apply_finetune_mode(model: PreTrainedModel, settings: config_mod.ModelSettings) -> torch.nn.Module:
