@@ -101,8 +101,30 @@ def test_a_judge_request_longer_than_the_judge_model_is_refused_naming_the_field
         planning.plan_judge(spec, config)
 
 
-def test_a_reward_model_asks_for_no_answer_and_no_template_and_is_refused_until_served() -> None:
+def _reward_model_spec(**model: Any) -> api.RLJobSpec:
+    """A judge of kind rewardModel: Skywork-Reward's layout (a Llama with a one-label score head)."""
     spec = gpu_spec(kind="rewardModel", promptTemplate=None)
+    raw = spec.model_dump(by_alias=True, exclude_none=True)
+    raw["reward"]["judge"]["model"] = {
+        "name": "skywork-reward-llama-3.1-8b",
+        "source": {"hub": {"id": "Skywork/Skywork-Reward-Llama-3.1-8B-v0.2"}},
+        "config": {"preset": "qwen3-8b"},
+        **model,
+    }
+    return api.RLJobSpec.model_validate(raw)
+
+
+def _reward_model_config(**over: Any) -> dict[str, Any]:
+    return {
+        **judge_config(gpu_spec()),
+        "architectures": ["LlamaForSequenceClassification"],
+        "id2label": {"0": "LABEL_0"},
+        **over,
+    }
+
+
+def test_a_reward_model_asks_for_no_answer_and_no_template() -> None:
+    spec = _reward_model_spec()
     request = est.JudgeRequest(
         hf_config=judge_config(spec),
         device=est.get_device("H100-80GB"),
@@ -116,11 +138,38 @@ def test_a_reward_model_asks_for_no_answer_and_no_template_and_is_refused_until_
     plan = est.plan_judge(request)
     assert plan.max_model_len == judge_mod.CHAT_TEMPLATE_TOKENS + 512 + 1024 + 1
     assert "score 1" in plan.reasons[1]
-    # The trainer image serves LLM judges only: the job says so before any pod starts.
-    with pytest.raises(
-        errors.InvalidSpecError, match=r"spec\.reward\.judge\.kind: rewardModel is not served"
-    ):
-        planning.plan_judge(spec, judge_config(spec))
+    # The job's own plan of it: the same request, sized like a rollout engine's.
+    served = planning.plan_judge(spec, _reward_model_config())
+    assert served is not None and served.max_model_len == plan.max_model_len
+    assert served.tensor_parallel >= 1 and any("judge tensor_parallel" in r for r in served.reasons)
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (
+            {"architectures": ["Qwen3ForCausalLM"]},
+            r"config\.json names \['Qwen3ForCausalLM'\]: use a reward model",
+        ),
+        ({"architectures": None}, "names no architectures"),
+        ({"id2label": {"0": "bad", "1": "good"}}, "classification head has 2 labels"),
+        ({"id2label": None, "num_labels": 3}, "has 3 labels"),
+    ],
+)
+def test_a_reward_model_that_is_not_one_score_head_is_refused_naming_the_field(
+    config: dict[str, Any], why: str
+) -> None:
+    hf = {k: v for k, v in _reward_model_config(**config).items() if v is not None}
+    with pytest.raises(errors.InvalidSpecError, match=r"spec\.reward\.judge\.model: .*" + why):
+        planning.plan_judge(_reward_model_spec(), hf)
+
+
+def test_a_tiny_reward_model_is_built_with_one_label_from_a_causal_config() -> None:
+    """A tiny judge is built in code: its config's causal architecture does not matter, its labels do."""
+    spec = _reward_model_spec(source={"tiny": {}})
+    assert planning.plan_judge(spec, judge_config(spec)) is not None
+    with pytest.raises(errors.InvalidSpecError, match="has 2 labels"):
+        planning.plan_judge(spec, {**judge_config(spec), "num_labels": 2})
 
 
 def test_a_cpu_judge_with_a_head_size_vllms_cpu_attention_refuses_is_refused() -> None:

@@ -198,23 +198,48 @@ def _check_judge_engine(spec: api.RLJobSpec, judge: api.JudgeSpec, judge_config:
     )
 
 
+#: What a reward model's config.json names as its architecture: a score head on a decoder.
+REWARD_MODEL_ARCHITECTURE_SUFFIX = "ForSequenceClassification"
+
+
+def _check_reward_model(judge: api.JudgeSpec, judge_config: dict[str, Any]) -> None:
+    """A judge of kind rewardModel is a sequence-classification model of one label (what the trainer
+    image scores with: its raw logit). Weights it loads must say so in their config.json; a tiny one is
+    built so, with one label unless id2label says otherwise."""
+    architectures = [str(a) for a in judge_config.get("architectures") or []]
+    loaded = judge.model.source.tiny is None
+    if loaded and not any(a.endswith(REWARD_MODEL_ARCHITECTURE_SUFFIX) for a in architectures):
+        raise errors.InvalidSpecError(
+            "spec.reward.judge.model",
+            f"kind rewardModel scores with a sequence-classification head, and {judge.model.name}'s "
+            f"config.json names {architectures or 'no architectures'}: use a reward model "
+            f"(...{REWARD_MODEL_ARCHITECTURE_SUFFIX}), or kind llm with a promptTemplate for a generative "
+            "judge",
+        )
+    if "id2label" in judge_config:
+        labels = len(judge_config["id2label"] or {})
+    else:  # transformers' default where config.json says nothing: two labels
+        labels = int(judge_config.get("num_labels", 2 if loaded else 1))
+    if labels != 1:
+        raise errors.InvalidSpecError(
+            "spec.reward.judge.model",
+            f"{judge.model.name}'s classification head has {labels} labels (config.json id2label); a reward "
+            "model scores with one: use a reward model of one label, or kind llm",
+        )
+
+
 def plan_judge(spec: api.RLJobSpec, judge_config: dict[str, Any] | None) -> est.JudgePlan | None:
     """The judge's engines on the job's accelerator (None without spec.reward.judge). Raises
     `EstimatorError`, and `InvalidSpecError` when the judge's config.json is missing."""
     judge = spec.reward.judge
     if judge is None:
         return None
-    if judge.kind != "llm":
-        # The trainer image serves LLM judges only (rljob_trainer.data.judge): say so before any pod.
-        raise errors.InvalidSpecError(
-            "spec.reward.judge.kind",
-            "rewardModel is not served by the trainer image yet (only llm judges: a generative model asked "
-            "with promptTemplate): set kind to llm with a promptTemplate",
-        )
     if not judge_config:
         raise errors.InvalidSpecError(
             "spec.reward.judge.model.config", "the judge's config.json is needed to size its engines"
         )
+    if judge.kind == "rewardModel":
+        _check_reward_model(judge, judge_config)
     _check_judge_engine(spec, judge, judge_config)
     name, custom = _devices(spec)
     device = est.get_device(name, custom)
