@@ -15,7 +15,8 @@ the default command of that mode, its agent streaming): the operator adds the to
 pod 0's port `endpoint` and the fence's one opening; the driver serves the OpenAI-compatible
 endpoint in front of vLLM's CPU engine, each episode is one `POST /episode` to the environment's
 pod, whose agent calls the endpoint with the token from its environment; the calls are the samples
-trained, and the job ends Succeeded.
+trained, and the job ends Succeeded. Its judge is a reward model (kind rewardModel, a tiny random
+one) on vLLM's pooling runner on the judge pod, scoring every episode.
 """
 
 from __future__ import annotations
@@ -196,11 +197,23 @@ def test_an_agent_job_of_mode_agent_trains_on_its_environments_calls_to_the_endp
     assert env["mode"] == "agent" and "command" not in env  # the shipped one, its mode's default
     assert env["args"] == ["--stream"]
     env["replicas"] = 1
+    # A reward model as the judge (a tiny one, random weights: the path, not the scores), on vLLM's
+    # pooling runner on a judge pod of its own.
+    spec["reward"]["judge"] = {
+        "kind": "rewardModel",
+        "model": {
+            "name": "tiny-reward-model",
+            "source": spec["model"]["source"],
+            "config": spec["model"]["config"],
+            "dtype": "float32",
+        },
+        "weight": 0.5,
+    }
     job = manifest["metadata"]["name"]
-    driver_pod, env_pod = f"{job}-trainer-0", f"{job}-env-arith-0"
+    driver_pod, env_pod, judge_pod = f"{job}-trainer-0", f"{job}-env-arith-0", f"{job}-judge-0"
     try:
         status, driver_log = _run_to_the_end(
-            cluster, namespace, manifest, cpu_node, [driver_pod, env_pod], 600
+            cluster, namespace, manifest, cpu_node, [driver_pod, env_pod, judge_pod], 600
         )
         assert status["progress"]["step"] == ENDPOINT_STEPS
         assert [e["name"] for e in status.get("environments", [])] == ["arith"]
@@ -218,6 +231,11 @@ def test_an_agent_job_of_mode_agent_trains_on_its_environments_calls_to_the_endp
             # What was trained is the endpoint's calls: at least one per episode, tokens generated.
             assert metrics["agent/turns_mean"] >= 1 and metrics["agent/generated_tokens_mean"] > 0
             assert "reward/environment" in metrics
+            # Every episode scored by the reward model: its raw logit, not a parsed answer.
+            assert metrics["judge/scored"] == 8 and metrics["judge/failed"] == 0
+            assert metrics["judge/unparsed"] == 0 and "reward/judge" in metrics
+        assert "judge engines up: judge-0" in driver_log, driver_log[-6000:]
+        assert "rljob_judge_0" in cluster.pod_log(namespace, judge_pod)
         # The environment's pod ran the shipped agent, on its port, with the token from the Secret.
         env_log = cluster.pod_log(namespace, env_pod)
         assert "environment arithmetic_agent serving" in env_log, env_log[-3000:]
