@@ -48,3 +48,4 @@ bench: setup
 	.venv/bin/python bench/engine.py
 	.venv/bin/python bench/pipeline.py
 	.venv/bin/python bench/agents.py
+	.venv/bin/python bench/reward_model.py

@@ -30,7 +30,11 @@ def _cfg(tmp_path: Path) -> config_mod.TrainerConfig:
         {
             "model": {**tiny, "name": "policy"},
             "rollout": {"kind": "vllm"},
-            "judge": {"kind": "rewardModel", "model": {"name": "rm", "source": "pvc", "path": str(tmp_path)}},
+            "judge": {
+                "kind": "rewardModel",
+                "model": {"name": "rm", "source": "pvc", "path": str(tmp_path)},
+                "maxModelLen": 128,
+            },
         }
     )
     return judge.judge_engine_config(cfg)

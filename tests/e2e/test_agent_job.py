@@ -90,19 +90,20 @@ def _manifest() -> dict[str, Any]:
     spec["grpo"]["maxSteps"] = STEPS
     spec["lengths"]["maxCompletionTokens"] = 96
     spec["rollout"]["agent"]["maxTotalTokens"] = 96
-    spec["reward"]["judge"] = {
-        "kind": "llm",
-        "model": {
-            "name": "tiny-judge",
-            "source": spec["model"]["source"],
-            "config": spec["model"]["config"],
-            "dtype": "float32",
-        },
-        "promptTemplate": "Task: {prompt}\nReply: {response}\nScore 0-10:",
-        "maxTokens": 4,
-        "weight": 0.5,
-    }
+    spec["reward"]["judge"] = _tiny_judge(
+        spec,
+        kind="llm",
+        promptTemplate="Task: {prompt}\nReply: {response}\nScore 0-10:",
+        maxTokens=4,
+        weight=0.5,
+    )
     return _on_pool(manifest)
+
+
+def _tiny_judge(spec: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A judge of the job's own tiny model (random weights: its scores are noise, its path the real one)."""
+    model = {"name": "tiny-judge", "source": spec["model"]["source"], "config": spec["model"]["config"]}
+    return {"model": {**model, "dtype": "float32"}, **fields}
 
 
 def _run_to_the_end(
@@ -199,16 +200,7 @@ def test_an_agent_job_of_mode_agent_trains_on_its_environments_calls_to_the_endp
     env["replicas"] = 1
     # A reward model as the judge (a tiny one, random weights: the path, not the scores), on vLLM's
     # pooling runner on a judge pod of its own.
-    spec["reward"]["judge"] = {
-        "kind": "rewardModel",
-        "model": {
-            "name": "tiny-reward-model",
-            "source": spec["model"]["source"],
-            "config": spec["model"]["config"],
-            "dtype": "float32",
-        },
-        "weight": 0.5,
-    }
+    spec["reward"]["judge"] = _tiny_judge(spec, kind="rewardModel", weight=0.5)
     job = manifest["metadata"]["name"]
     driver_pod, env_pod, judge_pod = f"{job}-trainer-0", f"{job}-env-arith-0", f"{job}-judge-0"
     try:
