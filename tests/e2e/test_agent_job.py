@@ -15,8 +15,8 @@ the default command of that mode, its agent streaming): the operator adds the to
 pod 0's port `endpoint` and the fence's one opening; the driver serves the OpenAI-compatible
 endpoint in front of vLLM's CPU engine, each episode is one `POST /episode` to the environment's
 pod, whose agent calls the endpoint with the token from its environment; the calls are the samples
-trained, and the job ends Succeeded. Its judge is a reward model (kind rewardModel, a tiny random
-one) on vLLM's pooling runner on the judge pod, scoring every episode.
+trained, and the job ends Succeeded. Its judge, as the example has it, is a reward model (kind
+rewardModel, a tiny random one) on vLLM's pooling runner on the judge pod, scoring every episode.
 """
 
 from __future__ import annotations
@@ -90,20 +90,19 @@ def _manifest() -> dict[str, Any]:
     spec["grpo"]["maxSteps"] = STEPS
     spec["lengths"]["maxCompletionTokens"] = 96
     spec["rollout"]["agent"]["maxTotalTokens"] = 96
-    spec["reward"]["judge"] = _tiny_judge(
-        spec,
-        kind="llm",
-        promptTemplate="Task: {prompt}\nReply: {response}\nScore 0-10:",
-        maxTokens=4,
-        weight=0.5,
-    )
+    spec["reward"]["judge"] = {
+        "kind": "llm",
+        "model": {
+            "name": "tiny-judge",
+            "source": spec["model"]["source"],
+            "config": spec["model"]["config"],
+            "dtype": "float32",
+        },
+        "promptTemplate": "Task: {prompt}\nReply: {response}\nScore 0-10:",
+        "maxTokens": 4,
+        "weight": 0.5,
+    }
     return _on_pool(manifest)
-
-
-def _tiny_judge(spec: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """A judge of the job's own tiny model (random weights: its scores are noise, its path the real one)."""
-    model = {"name": "tiny-judge", "source": spec["model"]["source"], "config": spec["model"]["config"]}
-    return {"model": {**model, "dtype": "float32"}, **fields}
 
 
 def _run_to_the_end(
@@ -198,9 +197,9 @@ def test_an_agent_job_of_mode_agent_trains_on_its_environments_calls_to_the_endp
     assert env["mode"] == "agent" and "command" not in env  # the shipped one, its mode's default
     assert env["args"] == ["--stream"]
     env["replicas"] = 1
-    # A reward model as the judge (a tiny one, random weights: the path, not the scores), on vLLM's
+    # Its judge: a reward model (a tiny one, random weights: the path, not the scores), on vLLM's
     # pooling runner on a judge pod of its own.
-    spec["reward"]["judge"] = _tiny_judge(spec, kind="rewardModel", weight=0.5)
+    assert spec["reward"]["judge"]["kind"] == "rewardModel"
     job = manifest["metadata"]["name"]
     driver_pod, env_pod, judge_pod = f"{job}-trainer-0", f"{job}-env-arith-0", f"{job}-judge-0"
     try:
