@@ -129,6 +129,10 @@ class Evaluator:
             return self._run_episodes(owner, loop, step, t0)
         owner.prepare_generation()
         try:
+            if not any(e.awake for e in owner.engines.values()):
+                # A dedicated engine whose rollout pod is not up yet (still scheduling, or coming
+                # back): wait for it as generation does, rather than fail the job.
+                owner.pipeline.await_engine()
             names = sorted(n for n, e in owner.engines.items() if e.awake)
             # Each engine first finishes the pipeline's calls it is on: evaluation takes it alone.
             owner.pipeline.pump(lambda: not owner.pipeline.busy(names), admit=False)

@@ -730,7 +730,7 @@ class RolloutPipeline:
                     continue
                 if not (admit and self._queued_requests()):
                     return
-                self._await_engine()
+                self.await_engine()
                 continue
             now = self.clock()
             oldest = min((c.submitted for c in self.calls.values()), default=now)
@@ -790,9 +790,10 @@ class RolloutPipeline:
                 if name in self.engines:
                     self.owner.drop_engine(name, lost=True)
 
-    def _await_engine(self) -> None:
-        """Requests are queued and no engine can take them (every dedicated engine was lost): bring
-        engines up on the rollout pods that are back, waiting up to rollout.engineTimeoutS for one."""
+    def await_engine(self) -> None:
+        """Work is waiting and no engine can take it (no dedicated engine yet, its rollout pod still
+        being scheduled, or every one lost): bring engines up on the rollout pods that are up, waiting
+        up to rollout.engineTimeoutS for one."""
         deadline = time.monotonic() + self.cfg.rollout.engine_timeout_s
         while not any(e.awake for e in self.engines.values()):
             self.owner.reconcile_dedicated()
@@ -800,9 +801,10 @@ class RolloutPipeline:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    "requests are queued but no rollout engine is up: every dedicated engine was lost, "
-                    f"no rollout pod came back within {self.cfg.rollout.engine_timeout_s:.0f} s "
-                    "(rollout.engineTimeoutS) and there is no shared engine to fall back on"
+                    "no rollout engine is up: no rollout pod joined or came back within "
+                    f"{self.cfg.rollout.engine_timeout_s:.0f} s (rollout.engineTimeoutS) and there is no "
+                    "shared engine to fall back on (`kubectl describe rljob` says why its rollout pods "
+                    "are not running)"
                 )
             time.sleep(1.0)
 
