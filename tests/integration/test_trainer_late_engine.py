@@ -1,6 +1,6 @@
 """A dedicated engine whose rollout pod is not up when the driver starts (the pod still waits for room
 on a full node): the held-out evaluation before training waits for it, as generation does, instead
-of failing the job; a pod that never comes fails it after rollout.engineTimeoutS, naming the field.
+of failing the job; a pod that never comes fails it after engineTimeoutSeconds, naming the field.
 
 Found by applying every example to the local cluster at once: smollm2-reasoning's rollout pod was
 Unschedulable for lack of CPU, its driver started, and the evaluation of the initial weights raised
@@ -64,7 +64,8 @@ def test_a_rollout_pod_that_never_comes_fails_the_evaluation_naming_the_timeout(
     try:
         d.setup()
         with pytest.raises(
-            RuntimeError, match=r"no rollout pod joined or came back within 2 s \(rollout\.engineTimeoutS\)"
+            RuntimeError,
+            match=r"joined or came back within 2 s \(spec\.resources\.rollout\.engineTimeoutSeconds\)",
         ):
             d._evaluate_before_training()
     finally:

@@ -802,9 +802,9 @@ class RolloutPipeline:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     "no rollout engine is up: no rollout pod joined or came back within "
-                    f"{self.cfg.rollout.engine_timeout_s:.0f} s (rollout.engineTimeoutS) and there is no "
-                    "shared engine to fall back on (`kubectl describe rljob` says why its rollout pods "
-                    "are not running)"
+                    f"{self.cfg.rollout.engine_timeout_s:.0f} s "
+                    "(spec.resources.rollout.engineTimeoutSeconds) and there is no shared engine to fall "
+                    "back on (`kubectl describe rljob` says why its rollout pods are not running)"
                 )
             time.sleep(1.0)
 
