@@ -82,3 +82,16 @@ def test_weight_update_reaches_engine_and_matches_trainer_log_probs():
     fresh_samples = [trainer.TrainSample(o.prompt_token_ids, o.token_ids, 0.0) for o in fresh]
     for o, lp in zip(fresh, rank.compute_log_probs(fresh_samples), strict=True):
         assert torch.allclose(torch.tensor(o.logprobs), torch.tensor(lp), atol=1e-4)
+
+
+def test_ignore_eos_generates_through_the_end_of_sequence_token_to_the_budget():
+    """As vLLM's `ignore_eos`: the tests that act on requests mid-generation need them to run long."""
+    engine = build_engine(_cfg(), name="e", colocated=False)
+    engine.load()
+    prompts = _prompts()
+    normal = engine.generate(prompts, base.SamplingSettings(max_tokens=24, seeds=tuple(range(len(prompts)))))
+    assert any(o.finish_reason == "stop" for o in normal)  # a random tiny model samples EOS early
+    through = engine.generate(
+        prompts, base.SamplingSettings(max_tokens=24, seeds=tuple(range(len(prompts))), ignore_eos=True)
+    )
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in through)

@@ -28,6 +28,9 @@ class SamplingSettings:
     # Per request (same order as the prompts): the tokens request i may still generate, for requests
     # resumed after an interrupt (`continue_output`); None: `max_tokens` for every request.
     max_tokens_per_request: tuple[int, ...] | None = None
+    # Generate through the end-of-sequence token to the budget (vLLM's `ignore_eos`): for tests and
+    # benches that need requests of a known length; never set by training.
+    ignore_eos: bool = False
 
     def budget(self, i: int) -> int:
         """How many tokens request `i` of the call may generate."""

@@ -240,7 +240,7 @@ class TransformersEngine(base.RolloutEngine):
         if len(seeds) != n:
             raise ValueError(f"{len(seeds)} seeds for {n} prompts")
         gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        stop = {self._eos_id, *sampling.stop_token_ids}
+        stop = {*sampling.stop_token_ids, *(() if sampling.ignore_eos else (self._eos_id,))}
         model = self.model
         max_len = max(len(p) for p in prompts_token_ids)
         ids = torch.full((n, max_len), self._pad_id, dtype=torch.long)

@@ -230,6 +230,7 @@ def sampling_kwargs(
         "seed": int(seed),
         "logprobs": 0,  # the sampled token's log-prob
         "stop_token_ids": list(sampling.stop_token_ids) or None,
+        "ignore_eos": sampling.ignore_eos,
     }
 
 
