@@ -76,6 +76,7 @@ def build(out: Path | None = None) -> Path:
 
     from rljob_trainer import config
     from rljob_trainer.data import judge
+    from rljob_trainer.engines import reward_model
     from rljob_trainer.model import modeling
 
     tok = modeling.build_char_tokenizer(modeling.CHARSETS["builtin-char"])
@@ -97,14 +98,7 @@ def build(out: Path | None = None) -> Path:
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"])
 
     def scores(seqs: list[list[int]]) -> torch.Tensor:
-        # As engines.reward_model scores: right-padded, the head at each sequence's last real token.
-        lengths = torch.tensor([len(s) for s in seqs])
-        ids = torch.full((len(seqs), int(lengths.max())), tok.pad_token_id)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return model.score(hidden[torch.arange(len(seqs)), lengths - 1])[:, 0]
+        return reward_model.last_token_scores(model, seqs, tok.pad_token_id)  # as the engine scores
 
     for _ in range(RECIPE["steps"]):
         batch = rng.sample(data, RECIPE["batch"])

@@ -52,6 +52,22 @@ def engine_args(cfg: config_mod.TrainerConfig, *, model: str, capabilities: Any)
     return {**args, "runner": "pooling"}
 
 
+def last_token_scores(model: Any, prompts: Sequence[Sequence[int]], pad_id: int) -> Any:
+    """A Hugging Face sequence classifier's first-label score of each sequence at its last real token:
+    the backbone over a right-padded batch, the `score` head at each sequence's end (module docstring).
+    A tensor on the model's device, with autograd as the caller has it (training a reward model)."""
+    import torch
+
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    hidden = model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+    return model.score(hidden[torch.arange(len(prompts)), lengths.to(device) - 1])[:, 0]
+
+
 class RewardModelEngine(abc.ABC):
     """One reward model: `load()` once, then `score(batch)`; `shutdown()` frees it."""
 
@@ -102,18 +118,9 @@ class TransformersRewardModel(RewardModelEngine):
             raise RuntimeError(f"engine {self.name}: load() has not been called")
         if not prompts:
             return []
-        lengths = torch.tensor([len(p) for p in prompts])
-        ids = torch.full((len(prompts), int(lengths.max())), self._pad_id, dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
         with torch.no_grad():
-            hidden = self._model.base_model(
-                input_ids=ids.to(self._device), attention_mask=mask.to(self._device)
-            ).last_hidden_state
-            last = hidden[torch.arange(len(prompts)), lengths.to(self._device) - 1]
-            logits = self._model.score(last)
-        return [float(v) for v in logits[:, 0].float().cpu()]
+            scores = last_token_scores(self._model, prompts, self._pad_id)
+        return [float(v) for v in scores.float().cpu()]
 
     def shutdown(self) -> None:
         self._model = None

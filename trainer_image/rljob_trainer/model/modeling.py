@@ -132,23 +132,27 @@ def build_reward_model(settings: config_mod.ModelSettings, *, init_seed: int) ->
     from transformers import AutoModelForSequenceClassification
 
     hf = settings.hf_config or {}
-    one_label = settings.source == "tiny" and "id2label" not in hf and "num_labels" not in hf
-    overrides = {"num_labels": 1} if one_label else {}
-    return _build(settings, AutoModelForSequenceClassification, init_seed=init_seed, **overrides)
+    labels = {} if "id2label" in hf or "num_labels" in hf else {"num_labels": 1}
+    return _build(settings, AutoModelForSequenceClassification, init_seed=init_seed, tiny_config=labels)
 
 
 def _build(
-    settings: config_mod.ModelSettings, auto_class: Any, *, init_seed: int, **kwargs: Any
+    settings: config_mod.ModelSettings,
+    auto_class: Any,
+    *,
+    init_seed: int,
+    tiny_config: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> PreTrainedModel:
     """`auto_class`'s model of `settings`: random weights from `init_seed` for a tiny source (the same
-    seed on every rank and engine gives identical initial weights everywhere), else loaded."""
+    seed on every rank and engine gives identical initial weights everywhere; `tiny_config` added to
+    its config), else loaded."""
     dtype = precision.compute_dtype(settings.dtype)
     if settings.source == "tiny":
         hf = dict(settings.hf_config or {})
         hf.pop("architectures", None)  # the auto class decides the head
         model_type = hf.pop("model_type")
-        config_kwargs = {k: kwargs.pop(k) for k in ("num_labels",) if k in kwargs}
-        cfg = AutoConfig.for_model(model_type, **hf, **config_kwargs)
+        cfg = AutoConfig.for_model(model_type, **hf, **(tiny_config or {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
             return auto_class.from_config(cfg, dtype=dtype, **kwargs)
